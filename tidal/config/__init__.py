@@ -1,0 +1,1 @@
+"""Configuration: frozen dataclasses per area; YAML, environment and CLI only produce their kwargs."""

@@ -1,0 +1,33 @@
+"""CacheConfig: the paged KV cache's size and prefix-reuse policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config._check import check
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    # Tokens per KV block (page).
+    block_size: int = 16
+    # KV pool size in bytes; None sizes it from `memory_fraction`.
+    kv_cache_bytes: int | None = None
+    # Without kv_cache_bytes: on GPU the fraction of free device memory (vLLM's
+    # gpu_memory_utilization); on CPU the fraction of available RAM, capped by `max_cpu_kv_bytes`.
+    memory_fraction: float = 0.9
+    max_cpu_kv_bytes: int = 4 << 30
+    # Reuse full blocks across requests by content hash.
+    enable_prefix_caching: bool = True
+    # An unreferenced cached block idle longer than this is dropped (the seeds' attention_cache_ttl).
+    prefix_ttl_s: float = 300.0
+    # Requests with a session id keep their last N turns ahead of anonymous blocks (cache_window).
+    session_turns: int = 4
+
+    def __post_init__(self) -> None:
+        check(self.block_size > 0 and self.block_size % 8 == 0, "block_size", self.block_size, "a positive multiple of 8")
+        check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", self.kv_cache_bytes, "a positive integer or None")
+        check(0.0 < self.memory_fraction <= 1.0, "memory_fraction", self.memory_fraction, "a number in (0, 1]")
+        check(self.max_cpu_kv_bytes > 0, "max_cpu_kv_bytes", self.max_cpu_kv_bytes, "a positive integer")
+        check(self.prefix_ttl_s > 0, "prefix_ttl_s", self.prefix_ttl_s, "a positive number of seconds")
+        check(self.session_turns >= 0, "session_turns", self.session_turns, "an integer >= 0")

@@ -1,0 +1,75 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops (vLLM-compatible names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request decoding parameters.
+
+    Defaults follow vLLM/OpenAI: temperature 1.0 samples; 0 means greedy. `top_k` 0 or -1 and
+    `top_p` 1.0 disable those filters. Validation raises `ValueError` naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        _check(self.n >= 1, "n", self.n, "an integer >= 1")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, "a number >= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
+        _check(self.top_k >= 0, "top_k", self.top_k, "0 or -1 (disabled) or a positive integer")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "a number in [0, 1]")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
+        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", self.repetition_penalty, "a number in (0, 10]")
+        _check(self.max_tokens is None or self.max_tokens >= 0, "max_tokens", self.max_tokens, "an integer >= 0 or None")
+        _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})",
+        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _check(
+            self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS,
+            "logprobs", self.logprobs, f"an integer in [0, {_MAX_LOGPROBS}]",
+        )
+        _check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= _MAX_LOGPROBS,
+            "prompt_logprobs", self.prompt_logprobs, f"an integer in [0, {_MAX_LOGPROBS}]",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(ok: bool, name: str, value: object, accepted: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: expected {accepted}")
