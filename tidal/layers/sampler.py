@@ -1,0 +1,251 @@
+"""Sampler: turns one step's logits into token ids (and logprobs) with per-request parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from tidal.engine.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
+_MIN_TEMPERATURE = 1e-5
+# Prompt logprobs materialize a (T, V) float32 tensor; chunk T so a long prompt stays bounded.
+_PROMPT_CHUNK_ROWS = 256
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs about the request behind one logits row."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    # A per-request generator made from params.seed with `make_generator`; None -> the sampler's own.
+    generator: torch.Generator | None = None
+    # The model's EOS ids; suppressed with params.stop_token_ids until min_tokens are generated.
+    eos_token_ids: Collection[int] = field(default_factory=frozenset)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One step's sampled tokens. Logprob fields are None unless some row asked for logprobs."""
+
+    token_ids: torch.Tensor  # (B,) int64
+    logprobs: torch.Tensor | None = None  # (B,) float32, raw logprob of the sampled token
+    ranks: torch.Tensor | None = (
+        None  # (B,) int64, 1-based rank of the sampled token under raw logprobs
+    )
+    top_ids: torch.Tensor | None = None  # (B, K) int64, K = max logprobs asked over rows
+    top_logprobs: torch.Tensor | None = None  # (B, K) float32
+
+
+class PromptLogprobs(NamedTuple):
+    """Logprobs of given next tokens under (T, V) logits, plus the top-k alternatives per row."""
+
+    target_logprobs: torch.Tensor  # (T,) float32
+    top_ids: torch.Tensor  # (T, k) int64
+    top_logprobs: torch.Tensor  # (T, k) float32
+    target_ranks: torch.Tensor  # (T,) int64, 1-based
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded with `seed`, for one request's sampling noise."""
+    generator = torch.Generator(device=torch.device(device))
+    generator.manual_seed(seed)
+    return generator
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> PromptLogprobs:
+    """Raw log-softmax logprobs of `target_ids` under `logits` (T, V) and the top-k per row."""
+    targets, tops, top_vals, ranks = [], [], [], []
+    for start in range(0, logits.shape[0], _PROMPT_CHUNK_ROWS):
+        chunk = torch.log_softmax(logits[start : start + _PROMPT_CHUNK_ROWS].float(), dim=-1)
+        tgt = target_ids[start : start + _PROMPT_CHUNK_ROWS].to(chunk.device, torch.int64)
+        target = chunk.gather(1, tgt[:, None]).squeeze(1)  # (t,)
+        values, ids = chunk.topk(k, dim=-1)  # (t, k)
+        targets.append(target)
+        tops.append(ids)
+        top_vals.append(values)
+        ranks.append(_rank(chunk, target))
+    if not targets:  # T == 0
+        empty = logits.new_empty((0,), dtype=torch.float32)
+        ids = torch.empty((0, k), dtype=torch.int64, device=logits.device)
+        long0 = torch.empty((0,), dtype=torch.int64, device=logits.device)
+        return PromptLogprobs(empty, ids, empty.new_empty((0, k)), long0)
+    return PromptLogprobs(
+        torch.cat(targets), torch.cat(tops), torch.cat(top_vals), torch.cat(ranks)
+    )
+
+
+def _rank(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    # 1 + how many tokens are strictly more likely: vLLM/OpenAI's rank of the chosen token.
+    return (logprobs > chosen[:, None]).sum(dim=-1) + 1
+
+
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    # Argmax with ties broken by the lowest id on every device (torch.argmax leaves ties unspecified
+    # on some backends). (B, V) -> (B,)
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    is_max = logits == logits.max(dim=-1, keepdim=True).values
+    return torch.where(is_max, vocab, logits.shape[-1]).min(dim=-1).values
+
+
+class Sampler:
+    """Batched sampling: penalties -> min_tokens -> temperature -> top-k -> top-p -> min-p -> draw.
+
+    Logprobs are the model's raw log-softmax (before penalties, temperature and filtering), as vLLM
+    v1 returns by default: they describe the model, not the sampling policy, and stay comparable
+    across requests with different parameters.
+
+    Random rows draw with the exponential race, argmax(probs / q) with q ~ Exp(1) per token. A seeded
+    row draws its whole q vector from its own generator every step, so its tokens depend only on
+    its seed and its logits, never on which other rows share the batch. Unseeded rows share one
+    batched draw from the sampler's generator.
+    """
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size={vocab_size!r} is invalid: expected an integer >= 1")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row of `logits` (B, >= vocab_size); padded vocab columns are ignored."""
+        if logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits has {logits.shape[0]} rows but {len(rows)} sampling rows given"
+            )
+        logits = logits[:, : self.vocab_size].float()  # (B, V)
+        out = SamplerOutput(token_ids=torch.empty(0))
+        num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
+        if num_logprobs:
+            raw = torch.log_softmax(logits, dim=-1)  # (B, V), before any policy is applied
+        logits = self._apply_penalties(logits, rows)
+        logits = self._suppress_stops(logits, rows)
+
+        greedy = [r.params.temperature < _MIN_TEMPERATURE for r in rows]
+        token_ids = _greedy(logits)
+        if not all(greedy):
+            # Python-side indices: no device sync, unlike nonzero() on a mask.
+            picked = [i for i, g in enumerate(greedy) if not g]
+            idx = torch.tensor(picked, device=logits.device)
+            sampled = self._sample(logits[idx], [rows[i] for i in picked])
+            token_ids = token_ids.index_copy(0, idx, sampled)
+        out.token_ids = token_ids
+
+        if num_logprobs:
+            k = max(num_logprobs)
+            out.logprobs = raw.gather(1, token_ids[:, None]).squeeze(1)
+            out.ranks = _rank(raw, out.logprobs)
+            out.top_logprobs, out.top_ids = raw.topk(k, dim=-1)
+        return out
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        rep = [r.params.repetition_penalty for r in rows]
+        pres = [r.params.presence_penalty for r in rows]
+        freq = [r.params.frequency_penalty for r in rows]
+        use_rep = any(p != 1.0 for p in rep)
+        use_openai = any(p != 0.0 for p in pres) or any(p != 0.0 for p in freq)
+        if not (use_rep or use_openai):
+            return logits
+        counts = self._token_counts([r.output_token_ids for r in rows], logits)  # (B, V)
+        logits = logits.clone()
+        if use_rep:
+            # HF semantics: tokens seen in prompt or output are made less likely whatever the sign.
+            seen = self._token_counts([r.prompt_token_ids for r in rows], logits) + counts > 0
+            penalty = torch.tensor(rep, device=logits.device)[:, None].expand_as(logits)
+            scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, scaled, logits)
+        if use_openai:
+            # OpenAI semantics over output tokens only: subtract presence once, frequency per count.
+            pres_t = torch.tensor(pres, device=logits.device)[:, None]
+            freq_t = torch.tensor(freq, device=logits.device)[:, None]
+            logits = logits - pres_t * (counts > 0) - freq_t * counts
+        return logits
+
+    def _token_counts(self, ids_per_row: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
+        # (B, V) float32 count of each token id per row, built with one scatter_add.
+        counts = torch.zeros_like(logits)
+        flat = [t for ids in ids_per_row for t in ids if 0 <= t < self.vocab_size]
+        if not flat:
+            return counts
+        row_of = [i for i, ids in enumerate(ids_per_row) for t in ids if 0 <= t < self.vocab_size]
+        index = torch.tensor(row_of, device=logits.device) * logits.shape[1] + torch.tensor(
+            flat, device=logits.device
+        )
+        counts.view(-1).scatter_add_(0, index, torch.ones_like(index, dtype=counts.dtype))
+        return counts
+
+    def _suppress_stops(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        # min_tokens: a row that has not yet generated min_tokens tokens may not emit a stop token.
+        pairs = []
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) >= r.params.min_tokens:
+                continue
+            stops = set(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                stops.update(r.eos_token_ids)
+            pairs.extend((i, t) for t in stops if 0 <= t < self.vocab_size)
+        if not pairs:
+            return logits
+        suppressed = logits.clone()
+        index = torch.tensor(pairs, device=logits.device)  # (n, 2)
+        suppressed[index[:, 0], index[:, 1]] = float("-inf")
+        # NOTE: a row whose every finite logit was a stop token keeps its unsuppressed logits,
+        # so it still emits a real token instead of NaN probabilities.
+        dead = ~torch.isfinite(suppressed.max(dim=-1).values)
+        return torch.where(dead[:, None], logits, suppressed)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Draw one token per row (all rows non-greedy). (R, V) -> (R,)"""
+        dev = logits.device
+        temps = torch.tensor([r.params.temperature for r in rows], device=dev)
+        logits = logits / temps[:, None]
+        top_k = [r.params.top_k for r in rows]
+        top_p = [r.params.top_p for r in rows]
+        if any(0 < k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = self._top_k_top_p(logits, top_k, top_p)
+        min_p = [r.params.min_p for r in rows]
+        if any(p > 0.0 for p in min_p):
+            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); no softmax needed.
+            min_p_t = torch.tensor(min_p, device=dev)[:, None]
+            cutoff = logits.max(dim=-1, keepdim=True).values + torch.log(min_p_t)
+            logits = logits.masked_fill(logits < cutoff, float("-inf"))
+        # A row with no finite logit (the model gave -inf everywhere) becomes uniform, not NaN.
+        dead = ~torch.isfinite(logits.max(dim=-1, keepdim=True).values)
+        logits = logits.masked_fill(dead, 0.0)
+        probs = torch.softmax(logits, dim=-1)  # (R, V)
+
+        noise = torch.empty_like(probs)
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+        if len(seeded) < len(rows):
+            noise.exponential_(generator=self.generator)
+        for i in seeded:
+            # Each seeded row consumes exactly V draws from its own generator per step.
+            noise[i] = torch.empty_like(probs[i]).exponential_(generator=rows[i].generator)
+        # NOTE: exponential_ may return 0; clamping keeps p / q finite (and 0 / q == 0 for masked p).
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return _greedy(probs / noise)
+
+    @staticmethod
+    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        # Work in descending-sorted space: keep the first k, then the smallest prefix whose mass
+        # reaches top_p (the most likely token always survives), then scatter back.
+        vocab = logits.shape[1]
+        dev = logits.device
+        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (R, V)
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
+        position = torch.arange(vocab, device=dev)[None, :]
+        sorted_logits = sorted_logits.masked_fill(position >= k[:, None], float("-inf"))
+        # top_p == 1 must keep everything, even where the float32 cumsum rounds up past 1.
+        p = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=dev)[:, None]
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = (mass_before >= p) & (position > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
