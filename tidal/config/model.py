@@ -1,0 +1,55 @@
+"""ModelConfig: which checkpoint to serve, under what name, and its context and weight dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import PurePath
+
+from tidal.config._check import check
+
+# The dtypes a user may name; "auto" is resolved by the engine once the device is known.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    # A GGUF file, a safetensors directory, or None for the bundled default model.
+    path: str | None = None
+    # The dtype weights are held in after loading/dequantizing; "auto" follows hardware.dtype
+    # (the compute dtype), so one `--dtype` sets both unless the weights need to differ.
+    dtype: str = "auto"
+    # Context limit (prompt + output); None takes the checkpoint's own limit.
+    max_model_len: int | None = None
+    # The name /v1/models lists and requests must use; None derives it from `path`.
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        check(
+            self.path is None or (isinstance(self.path, str) and self.path != ""),
+            "path",
+            self.path,
+            "a non-empty path or None",
+        )
+        check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        check(
+            self.max_model_len is None or self.max_model_len >= 1,
+            "max_model_len",
+            self.max_model_len,
+            "an integer >= 1 or None",
+        )
+        check(
+            self.served_model_name is None or self.served_model_name.strip() != "",
+            "served_model_name",
+            self.served_model_name,
+            "a non-empty name or None",
+        )
+
+    def served_name(self, bundled_name: str) -> str:
+        """The public model id: `served_model_name`, else the checkpoint's file or folder stem."""
+        if self.served_model_name is not None:
+            return self.served_model_name
+        if self.path is None:
+            return bundled_name
+        # "/m/gemma-3-270m.gguf" -> "gemma-3-270m"; "/m/Qwen2-0.5B/" -> "Qwen2-0.5B".
+        p = PurePath(self.path.rstrip("/\\"))
+        return p.stem if p.suffix.lower() in (".gguf", ".safetensors") else p.name

@@ -1,0 +1,59 @@
+"""ServerConfig: where the HTTP server listens, who may call it, and its request-level limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config._check import check
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Bearer keys accepted on /v1/*; empty means no authentication.
+    api_keys: tuple[str, ...] = ()
+    # Default whole-request deadline; a request's own `timeout_s` may only shorten it. None: none.
+    request_timeout_s: float | None = None
+    # Bodies above this get 413. 4 MiB holds a 128k-token prompt sent as text or as token ids.
+    max_body_bytes: int = 4 << 20
+    # On shutdown, stop accepting and let running requests finish for up to this long.
+    drain_timeout_s: float = 30.0
+    # Run one tiny request before /ready turns true (compiles kernels, touches the KV pool).
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        # A list from YAML or JSON becomes a tuple so the config stays hashable and immutable.
+        object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        check(
+            isinstance(self.host, str) and self.host != "",
+            "host",
+            self.host,
+            "a non-empty host name or address",
+        )
+        check(
+            0 <= self.port <= 65535,
+            "port",
+            self.port,
+            "an integer in [0, 65535] (0 picks a free port)",
+        )
+        # Bearer tokens cannot hold whitespace; the bad key itself is never echoed.
+        check(
+            all(isinstance(k, str) and k != "" and not any(c.isspace() for c in k) for k in self.api_keys),
+            "api_keys", "<masked>", "non-empty strings without whitespace",
+        )  # fmt: skip
+        check(
+            self.request_timeout_s is None or self.request_timeout_s > 0,
+            "request_timeout_s",
+            self.request_timeout_s,
+            "a positive number of seconds or None",
+        )
+        check(
+            self.max_body_bytes >= 1024, "max_body_bytes", self.max_body_bytes, "an integer >= 1024"
+        )
+        check(
+            self.drain_timeout_s >= 0,
+            "drain_timeout_s",
+            self.drain_timeout_s,
+            "a number of seconds >= 0",
+        )
