@@ -1,0 +1,24 @@
+"""RMSNorm in the two flavours checkpoints use: Llama's (w * x) and Gemma's ((1 + w) * x)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Normalizes in float32. `gemma` scales by (1 + w) in float32 before casting back, as Gemma
+    does; Llama casts the normalized value back first and then multiplies by w."""
+
+    def __init__(self, dim: int, eps: float, gemma: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.gemma:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)

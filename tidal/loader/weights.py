@@ -1,0 +1,109 @@
+"""Turn checkpoint tensors (safetensors or GGUF) into tidal's HF-named state dict."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from tidal.models.arch import ArchConfig
+
+# llama.cpp tensor name -> HF name; "{}" is the layer index.
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_to_hf_name(name: str, family: str) -> str | None:
+    """HF name of a llama.cpp tensor, or None for tensors tidal does not use (e.g. rope_freqs)."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = _BLOCK.match(name)
+    if not m:
+        return None
+    layer, short, kind = m.groups()
+    if family == "gemma3":
+        # Gemma's four norms: attn_norm, post_attention_norm, ffn_norm (pre-FFN), post_ffw_norm.
+        gemma = {
+            "post_attention_norm": "post_attention_layernorm",
+            "ffn_norm": "pre_feedforward_layernorm",
+            "post_ffw_norm": "post_feedforward_layernorm",
+        }
+        if short in gemma:
+            return f"model.layers.{layer}.{gemma[short]}.{kind}"
+    elif short == "ffn_norm":
+        return f"model.layers.{layer}.post_attention_layernorm.{kind}"
+    if short not in _GGUF_LAYER_NAMES:
+        return None
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[short]}.{kind}"
+
+
+def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's row permutation of Q/K for llama-arch files (its rotary pairs adjacent
+    elements; tidal, like transformers, rotates the two halves of each head)."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def iter_gguf_weights(
+    path: Path, arch: ArchConfig, gguf_arch: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor of a GGUF file, in HF conventions."""
+    from tidal.loader.gguf_file import GGUFFile
+
+    with GGUFFile(path) as f:
+        for name in f.tensors:
+            hf = gguf_to_hf_name(name, arch.family)
+            if hf is None:
+                continue
+            t = f.load_tensor(name, torch.float32)
+            if arch.family == "gemma3" and name.endswith("norm.weight"):
+                t = t - 1.0  # llama.cpp stores Gemma's norm weights with the +1 folded in
+            if gguf_arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = arch.num_heads if "q_proj" in hf else arch.num_kv_heads
+                t = unpermute_qk(t, heads)
+            yield hf, t
+
+
+def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from a HF directory's (possibly sharded) safetensors files."""
+    from safetensors import safe_open
+
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no *.safetensors files")
+    for file in files:
+        with safe_open(model_dir / file, framework="pt") as f:
+            for name in f.keys():
+                hf = name
+                if hf.startswith("language_model."):  # multimodal wrappers keep the text model here
+                    hf = hf[len("language_model.") :]
+                if hf.startswith("model.language_model."):
+                    hf = "model." + hf[len("model.language_model.") :]
+                yield hf, f.get_tensor(name)

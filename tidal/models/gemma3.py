@@ -1,0 +1,75 @@
+"""Gemma 3 (text): interleaved sliding/global layers, four norms per block, GeGLU, scaled embeddings."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidal.attention.metadata import AttentionMetadata
+from tidal.layers.attention import KVCache, SelfAttention
+from tidal.layers.norm import RMSNorm
+from tidal.models.arch import ArchConfig
+from tidal.models.llama import GatedMLP
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_id: int, kv_group: int) -> None:
+        super().__init__()
+        dim, eps = arch.hidden_size, arch.rms_norm_eps
+        self.input_layernorm = RMSNorm(dim, eps, gemma=True)
+        self.self_attn = SelfAttention(arch, layer_id, kv_group)
+        self.post_attention_layernorm = RMSNorm(dim, eps, gemma=True)
+        self.pre_feedforward_layernorm = RMSNorm(dim, eps, gemma=True)
+        self.mlp = GatedMLP(dim, arch.intermediate_size, arch.hidden_act)
+        self.post_feedforward_layernorm = RMSNorm(dim, eps, gemma=True)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
+        x = x + self.post_attention_layernorm(attn)
+        mlp = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(mlp)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, arch: ArchConfig, kv_groups: list[int]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(arch, i, kv_groups[i]) for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma=True)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    """HF parameter names; the LM head is tied to the embedding."""
+
+    def __init__(self, arch: ArchConfig, kv_groups: list[int]) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = Gemma3Model(arch, kv_groups)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head.weight = self.model.embed_tokens.weight
+        self.embed_scale = arch.hidden_size**0.5
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        # transformers rounds the scale to the weight dtype before multiplying; so do we.
+        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, meta, kv)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

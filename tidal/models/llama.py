@@ -1,0 +1,82 @@
+"""The Llama family: Llama 2/3/3.1, Mistral (sliding window), Qwen2/2.5 (qkv bias), Qwen3 (q/k norm)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidal.attention.metadata import AttentionMetadata
+from tidal.layers.activation import activation
+from tidal.layers.attention import KVCache, SelfAttention
+from tidal.layers.norm import RMSNorm
+from tidal.models.arch import ArchConfig
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU for Llama, GeGLU (gelu-tanh) for Gemma."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, layer_id: int, kv_group: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = SelfAttention(arch, layer_id, kv_group)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ArchConfig, kv_groups: list[int]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, i, kv_groups[i]) for i in range(arch.num_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """HF parameter names (model.layers.N.self_attn.q_proj.weight, ...), so safetensors load as is.
+
+    `kv_groups[i]` is the KV group of layer i (tidal.kv.layout.KVLayout.layer_slot)."""
+
+    def __init__(self, arch: ArchConfig, kv_groups: list[int]) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, kv_groups)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (T,)
+        positions: torch.Tensor,  # (T,)
+        meta: AttentionMetadata,
+        kv_caches: list[KVCache],
+    ) -> torch.Tensor:
+        """Hidden states (T, hidden) after the final norm."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, positions, meta, kv)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,31 @@
+"""Maps an ArchConfig family to its model class, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+from tidal.models.arch import ArchConfig
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "gemma3": ("tidal.models.gemma3", "Gemma3ForCausalLM"),
+    "llama": ("tidal.models.llama", "LlamaForCausalLM"),
+    "mistral": ("tidal.models.llama", "LlamaForCausalLM"),
+    "qwen2": ("tidal.models.llama", "LlamaForCausalLM"),
+    "qwen3": ("tidal.models.llama", "LlamaForCausalLM"),
+}
+
+
+def supported_families() -> list[str]:
+    return sorted(_MODELS)
+
+
+def model_class(arch: ArchConfig) -> type[nn.Module]:
+    try:
+        module, name = _MODELS[arch.family]
+    except KeyError:
+        raise ValueError(
+            f"model family {arch.family!r} is not supported; supported: {supported_families()}"
+        ) from None
+    return getattr(importlib.import_module(module), name)

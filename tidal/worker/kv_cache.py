@@ -1,0 +1,37 @@
+"""The KV pool's device memory: one tensor shaped by KVLayout, viewed per layer."""
+
+from __future__ import annotations
+
+import torch
+
+from tidal.kv.layout import KVLayout
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+def allocate_kv_caches(
+    layout: KVLayout, num_blocks: int, dtype: torch.dtype, device: torch.device | str
+) -> list[KVCache]:
+    """Per layer, (k_cache, v_cache) of shape (num_blocks, block_size, KVH, D).
+
+    The pool is (layers_per_group, 2, num_blocks, block_size, KVH, D): layer j of every group uses
+    slot j, so a block id owned by group g only ever holds g's layers. Zero-filled, because the
+    null block 0 is read (and masked out) by sliding layers, and 0 * NaN would poison the output.
+    """
+    pool = torch.zeros(
+        (
+            layout.layers_per_group,
+            2,
+            num_blocks,
+            layout.block_size,
+            layout.num_kv_heads,
+            layout.head_dim,
+        ),
+        dtype=dtype,
+        device=device,
+    )
+    caches: list[KVCache] = [None] * layout.num_layers  # type: ignore[list-item]
+    for spec in layout.groups:
+        for slot, layer_id in enumerate(spec.layer_ids):
+            caches[layer_id] = (pool[slot, 0], pool[slot, 1])
+    return caches
