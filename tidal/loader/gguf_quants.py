@@ -8,6 +8,8 @@ import torch
 
 from tidal.loader.gguf_file import BLOCK_SIZES, GGMLType
 
+CHUNK_ELEMS = 1 << 18  # values decoded per slice; 1 MiB of float32
+
 
 def type_size(ggml_type: GGMLType) -> tuple[int, int]:
     """(elements per block, bytes per block) of a ggml storage type."""
@@ -41,7 +43,13 @@ def dequantize(raw: torch.Tensor, ggml_type: GGMLType, shape: tuple[int, ...]) -
             f"shape {shape}; got {raw.dtype} with {raw.numel()} elements"
         )
     blocks = raw.reshape(num_blocks, block_bytes)  # (N, block_bytes)
-    return decoder(blocks).reshape(shape)
+    out = torch.empty(num_blocks, block_elems, dtype=torch.float32)
+    # Decode in cache-sized slices: each decoder makes several temporaries, and at full
+    # size (a 167M-element embedding) those cost more in page faults than in arithmetic.
+    step = max(1, CHUNK_ELEMS // block_elems)
+    for start in range(0, num_blocks, step):
+        out[start : start + step] = decoder(blocks[start : start + step])
+    return out.reshape(shape)
 
 
 def q8_0_codes(raw: torch.Tensor, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,11 +107,184 @@ def _dequant_bf16(blocks: torch.Tensor) -> torch.Tensor:
 
 def _dequant_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     # Q8_0, 34 bytes -> 32 values:
-    #   [0:2]  d   fp16 scale
-    #   [2:34] qs  32 x int8 codes          value = d * q
+    #   [0:2]   d    fp16 scale
+    #   [2:34]  qs   32 x int8              value[i] = d * qs[i]
     d = _f16(blocks[:, 0:2])
     q = blocks[:, 2:].contiguous().view(torch.int8).float()
     return d * q
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(N, 16) packed bytes -> (N, 32) uint8: low nibbles are values 0..15, high are 16..31."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _bits(b: torch.Tensor) -> torch.Tensor:
+    """(N, k) bytes -> (N, k*8) uint8 of 0/1, bit j of byte i at position i*8 + j (little-endian)."""
+    return ((b.unsqueeze(-1) >> _SHIFTS_1) & 1).reshape(b.shape[0], -1)
+
+
+_SHIFTS_1 = torch.arange(8, dtype=torch.uint8)
+_SHIFTS_2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)
+
+
+def _dequant_q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    # Q4_0, 18 bytes -> 32 values:
+    #   [0:2]   d    fp16 scale
+    #   [2:18]  qs   16 bytes; byte j holds value j (low nibble) and value j+16 (high nibble)
+    #   value = d * (q - 8)
+    d = _f16(blocks[:, 0:2])
+    q = _nibbles(blocks[:, 2:18]).float() - 8.0
+    return d * q
+
+
+def _dequant_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    # Q4_1, 20 bytes -> 32 values:
+    #   [0:2]   d    fp16 scale
+    #   [2:4]   m    fp16 offset (the block minimum)
+    #   [4:20]  qs   16 bytes of nibbles as in Q4_0
+    #   value = d * q + m
+    d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    return d * _nibbles(blocks[:, 4:20]).float() + m
+
+
+def _dequant_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    # Q5_0, 22 bytes -> 32 values:
+    #   [0:2]   d    fp16 scale
+    #   [2:6]   qh   32 bits, little-endian: bit i is bit 4 of value i
+    #   [6:22]  qs   16 bytes of low nibbles as in Q4_0
+    #   value = d * ((qh_i << 4 | nibble_i) - 16)
+    d = _f16(blocks[:, 0:2])
+    q = _nibbles(blocks[:, 6:22]) | (_bits(blocks[:, 2:6]) << 4)
+    return d * (q.float() - 16.0)
+
+
+def _dequant_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    # Q5_1, 24 bytes -> 32 values:
+    #   [0:2] d fp16 | [2:4] m fp16 | [4:8] qh 32 high bits | [8:24] qs low nibbles
+    #   value = d * (qh_i << 4 | nibble_i) + m
+    d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    q = _nibbles(blocks[:, 8:24]) | (_bits(blocks[:, 4:8]) << 4)
+    return d * q.float() + m
+
+
+# ---------------------------------------------------------------- 256-element super-blocks
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 scale bytes -> eight 6-bit scales and eight 6-bit mins, (N, 8) each.
+
+    byte  0..3: [mins' bits 4-5 of sc 4..7 | sc 0..3 (6 bits)]      row a
+    byte  4..7: [bits 4-5 of mn 4..7      | mn 0..3 (6 bits)]       row b
+    byte 8..11: [mn 4..7 low nibble (hi)  | sc 4..7 low nibble (lo)] row c
+    """
+    a, b, c = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], dim=1)
+    mn = torch.cat([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], dim=1)
+    return sc.float(), mn.float()
+
+
+def _dequant_q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    # Q4_K, 144 bytes -> 256 values in 8 sub-blocks of 32:
+    #   [0:2]     d       fp16 super-scale for the scales
+    #   [2:4]     dmin    fp16 super-scale for the mins
+    #   [4:16]    scales  8 x 6-bit scale + 8 x 6-bit min (see _k_scale_min)
+    #   [16:144]  qs      4 chunks of 32 bytes; chunk c holds sub-block 2c (low nibbles)
+    #                     and sub-block 2c+1 (high nibbles)
+    #   value = (d * sc_s) * q - (dmin * mn_s)
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    qs = blocks[:, 16:144].reshape(n, 4, 1, 32)
+    q = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F  # (N, 4, 2, 32)
+    q = q.reshape(n, 8, 32).float()
+    return ((d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)).reshape(n, 256)
+
+
+def _dequant_q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    # Q5_K, 176 bytes -> 256 values in 8 sub-blocks of 32:
+    #   [0:2] d fp16 | [2:4] dmin fp16 | [4:16] scales as Q4_K
+    #   [16:48]   qh  32 bytes; bit s of byte i is bit 4 of value s*32 + i
+    #   [48:176]  qs  low nibbles laid out as Q4_K
+    #   value = (d * sc_s) * (qh << 4 | nibble) - (dmin * mn_s)
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    qs = blocks[:, 48:176].reshape(n, 4, 1, 32)
+    low = ((qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F).reshape(
+        n, 8, 32
+    )
+    high = (blocks[:, 16:48].reshape(n, 1, 32) >> _SHIFTS_1.view(1, 8, 1)) & 1  # (N, 8, 32)
+    q = (low | (high << 4)).float()
+    return ((d * sc).unsqueeze(-1) * q - (dmin * mn).unsqueeze(-1)).reshape(n, 256)
+
+
+def _dequant_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    # Q6_K, 210 bytes -> 256 values in 16 sub-blocks of 16, as two halves of 128:
+    #   [0:128]    ql      64 bytes per half: byte i holds the low nibbles of values i
+    #                      (low) and i+64 (high) of that half
+    #   [128:192]  qh      32 bytes per half: bits 2k..2k+1 of byte i are bits 4-5 of value k*32 + i
+    #   [192:208]  scales  16 x int8, one per 16 values
+    #   [208:210]  d       fp16 super-scale
+    #   value = (d * scale_s) * ((qh << 4 | ql) - 32)
+    n = blocks.shape[0]
+    ql = blocks[:, 0:128].reshape(n, 2, 1, 64)
+    low = ((ql >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 0x0F).reshape(
+        n, 2, 128
+    )
+    qh = blocks[:, 128:192].reshape(n, 2, 1, 32)
+    high = ((qh >> _SHIFTS_2.view(1, 1, 4, 1)) & 0x03).reshape(n, 2, 128)
+    q = ((low | (high << 4)).float() - 32.0).reshape(n, 16, 16)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # (N, 16)
+    d = _f16(blocks[:, 208:210])
+    return ((d * scales).unsqueeze(-1) * q).reshape(n, 256)
+
+
+def _dequant_q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    # Q2_K, 84 bytes -> 256 values in 16 sub-blocks of 16:
+    #   [0:16]   scales  byte s: low nibble = scale of sub-block s, high nibble = its min
+    #   [16:80]  qs      2 halves of 32 bytes; bits 2k..2k+1 of byte i = value half*128 + k*32 + i
+    #   [80:82]  d       fp16 super-scale for the scales
+    #   [82:84]  dmin    fp16 super-scale for the mins
+    #   value = (d * scale_s) * q - (dmin * min_s)
+    n = blocks.shape[0]
+    scales = blocks[:, 0:16]
+    d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+    dl = (d * (scales & 0x0F).float()).unsqueeze(-1)  # (N, 16, 1)
+    ml = (dmin * (scales >> 4).float()).unsqueeze(-1)
+    q = (blocks[:, 16:80].reshape(n, 2, 1, 32) >> _SHIFTS_2.view(1, 1, 4, 1)) & 0x03
+    q = q.reshape(n, 16, 16).float()
+    return (dl * q - ml).reshape(n, 256)
+
+
+def _dequant_q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    # Q3_K, 110 bytes -> 256 values in 16 sub-blocks of 16:
+    #   [0:32]    hmask   bit k of byte i: 1 means value k*32 + i has no -4 offset
+    #   [32:96]   qs      2 bits per value laid out as Q2_K
+    #   [96:108]  scales  16 x 6 bits: low nibbles in bytes 0..7 (scales 0..7 low, 8..15 high),
+    #                     top 2 bits in bytes 8..11 (bits 2k..2k+1 of byte j -> scale k*4 + j)
+    #   [108:110] d       fp16 super-scale
+    #   value = (d * (scale_s - 32)) * (q - 4 * (1 - hbit))
+    n = blocks.shape[0]
+    raw_scales = blocks[:, 96:108]
+    low = torch.cat([raw_scales[:, 0:8] & 0x0F, raw_scales[:, 0:8] >> 4], dim=1)  # (N, 16)
+    high = ((raw_scales[:, 8:12].reshape(n, 1, 4) >> _SHIFTS_2.view(1, 4, 1)) & 0x03).reshape(n, 16)
+    scales = (low | (high << 4)).float() - 32.0
+    d = _f16(blocks[:, 108:110])
+    ql = ((blocks[:, 32:96].reshape(n, 2, 1, 32) >> _SHIFTS_2.view(1, 1, 4, 1)) & 0x03).reshape(
+        n, 256
+    )
+    hbit = ((blocks[:, 0:32].reshape(n, 1, 32) >> _SHIFTS_1.view(1, 8, 1)) & 1).reshape(n, 256)
+    q = ql.float() - 4.0 * (1 - hbit).float()
+    return ((d * scales).unsqueeze(-1) * q.reshape(n, 16, 16)).reshape(n, 256)
+
+
+def _dequant_q8_k(blocks: torch.Tensor) -> torch.Tensor:
+    # Q8_K, 292 bytes -> 256 values:
+    #   [0:4]     d      fp32 scale
+    #   [4:260]   qs     256 x int8          value = d * q
+    #   [260:292] bsums  16 x int16 sums of groups of 16 (for dot products; unused here)
+    return _f32(blocks[:, 0:4]) * blocks[:, 4:260].contiguous().view(torch.int8).float()
 
 
 _DECODERS: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -111,4 +292,14 @@ _DECODERS: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLType.F16: _dequant_f16,
     GGMLType.BF16: _dequant_bf16,
     GGMLType.Q8_0: _dequant_q8_0,
+    GGMLType.Q4_0: _dequant_q4_0,
+    GGMLType.Q4_1: _dequant_q4_1,
+    GGMLType.Q5_0: _dequant_q5_0,
+    GGMLType.Q5_1: _dequant_q5_1,
+    GGMLType.Q2_K: _dequant_q2_k,
+    GGMLType.Q3_K: _dequant_q3_k,
+    GGMLType.Q4_K: _dequant_q4_k,
+    GGMLType.Q5_K: _dequant_q5_k,
+    GGMLType.Q6_K: _dequant_q6_k,
+    GGMLType.Q8_K: _dequant_q8_k,
 }
