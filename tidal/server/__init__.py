@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: protocol models, error bodies and SSE framing."""

@@ -1,0 +1,384 @@
+"""OpenAI API request bodies (completions, chat, tokenize) as pydantic models that build SamplingParams.
+
+Parsing is strict about types (JSON `"16"` is not an integer, `1` is not `true`) and lenient about
+presence: every optional field also accepts `null` (the `openai` SDK sends `null` for an explicit
+None), and unknown fields are accepted and ignored, because OpenAI clients send newer fields
+(`store`, `metadata`, `service_tier`, `parallel_tool_calls`, ...) that change nothing here.
+
+Accepted but ignored: `user`, `logit_bias` (validated: token-id keys, values in [-100, 100]),
+`tool_choice`. Rejected with 400 because we cannot honour them: non-empty `tools`,
+`response_format` other than text, completions `suffix`, and `best_of` other than `n`.
+Ranges are checked once, by SamplingParams; `to_sampling_params` names the request's own param.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+
+from tidal.engine.sampling_params import SamplingParams
+from tidal.server.errors import bad_request, from_validation_error
+
+_ROLES = ("system", "user", "assistant", "developer", "tool")
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False  # one final chunk with `usage` and no choices
+    continuous_usage_stats: bool | None = False  # vLLM: `usage` on every chunk
+
+
+def _token_ids(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value
+    )
+
+
+class _SamplingRequest(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None: the only served model
+    n: int | None = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = 0
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    include_stop_str_in_output: bool | None = False
+    stop_token_ids: list[int] | None = None
+    # tidal's own: higher runs first; a deadline that may only shorten server.request_timeout_s;
+    # a session id whose turns the prefix cache keeps warm.
+    priority: int | None = 0
+    timeout_s: float | None = None
+    session_id: str | None = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(
+        cls, v: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        if v is not None and not info.data.get("stream"):
+            raise ValueError("only allowed when stream is true")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_shape(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit() or not -100.0 <= bias <= 100.0:
+                raise ValueError(
+                    f"entry {token!r}: {bias!r} must map a token id to a bias in [-100, 100]"
+                )
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and not _token_ids(v):
+            raise ValueError("must be a list of token ids >= 0")
+        return v
+
+    @field_validator("timeout_s")
+    @classmethod
+    def _timeout(cls, v: float | None) -> float | None:
+        if v is not None and not v > 0:
+            raise ValueError(f"{v!r} must be a positive number of seconds")
+        return v
+
+    @field_validator("session_id")
+    @classmethod
+    def _session(cls, v: str | None) -> str | None:
+        if v is not None and not 0 < len(v) <= 256:
+            raise ValueError("must be 1 to 256 characters")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _common_kwargs(self) -> dict[str, Any]:
+        def given(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return {
+            "n": given(self.n, 1),
+            "temperature": given(self.temperature, 1.0),
+            "top_p": given(self.top_p, 1.0),
+            "top_k": given(self.top_k, 0),
+            "min_p": given(self.min_p, 0.0),
+            "presence_penalty": given(self.presence_penalty, 0.0),
+            "frequency_penalty": given(self.frequency_penalty, 0.0),
+            "repetition_penalty": given(self.repetition_penalty, 1.0),
+            "seed": self.seed,
+            "min_tokens": given(self.min_tokens, 0),
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": bool(self.ignore_eos),
+            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
+            "skip_special_tokens": given(self.skip_special_tokens, True),
+        }
+
+    def _build(self, kwargs: dict[str, Any], params: dict[str, str]) -> SamplingParams:
+        """SamplingParams(**kwargs), its ValueError turned into a 400 naming the request's param."""
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as e:
+            text = str(e)
+            field = text.split("=", 1)[0]
+            param = params.get(field, field)
+            raise bad_request(f"{param}{text[len(field) :]}", param, "invalid_value") from None
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default; an explicit null runs to the context limit
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool | None = True  # vLLM: let the tokenizer add BOS
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: object) -> object:
+        ok = isinstance(v, str) or (
+            isinstance(v, list)
+            and len(v) > 0
+            and (
+                all(isinstance(p, str) for p in v)
+                or _token_ids(v)
+                or all(_token_ids(p) and len(p) > 0 for p in v)  # type: ignore[arg-type]
+            )
+        )
+        if not ok:
+            raise ValueError(f"must be {_PROMPT_SHAPES} (non-empty lists, token ids >= 0)")
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, v: str | None) -> str | None:
+        if v:
+            raise ValueError("suffix (insertion) is not supported")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v != (info.data.get("n") or 1):
+            raise ValueError(f"best_of={v} is not supported unless it equals n")
+        return v
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts as a list: one choice group per entry (strings or token-id lists)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [p]  # type: ignore[list-item]
+        return p  # type: ignore[return-value]
+
+    def to_sampling_params(self) -> SamplingParams:
+        kwargs = self._common_kwargs()
+        kwargs["max_tokens"] = self.max_tokens
+        kwargs["logprobs"] = self.logprobs
+        # echo with logprobs returns the prompt's logprobs too, as OpenAI does.
+        kwargs["prompt_logprobs"] = (
+            self.logprobs if self.echo and self.logprobs is not None else None
+        )
+        return self._build(kwargs, {"prompt_logprobs": "logprobs"})
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # validate_default: a missing content is checked like an explicit null.
+    content: str | list[TextPart] | None = Field(default=None, validate_default=True)
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role(cls, v: object) -> object:
+        if v not in _ROLES:
+            raise ValueError(f"{v!r} is not a role: expected one of {', '.join(_ROLES)}")
+        return v
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: object, info: ValidationInfo) -> object:
+        if v is None:
+            if info.data.get("role") != "assistant":
+                raise ValueError("content may be null only in assistant messages")
+            return v
+        if isinstance(v, list):
+            for i, part in enumerate(v):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" or not isinstance(part.get("text"), str):  # type: ignore[union-attr]
+                    raise ValueError(
+                        f"part {i} has type {kind!r}: only {{'type': 'text', 'text': <string>}} parts are supported"
+                    )
+        elif not isinstance(v, str):
+            raise ValueError("must be a string or a list of text parts")
+        return v
+
+    def text(self) -> str:
+        """The content as one string (text parts joined with nothing between, as OpenAI does)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+def _check_messages(v: list[ChatMessage]) -> list[ChatMessage]:
+    if not v:
+        raise ValueError("must hold at least one message")
+    return v
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extensions for the chat template.
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        return _check_messages(v)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and v > 0 and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if v:
+            raise ValueError("tool calling is not supported")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type") != "text":
+            raise ValueError(f"type {v.get('type')!r} is not supported: only 'text'")
+        return v
+
+    def to_sampling_params(self) -> SamplingParams:
+        kwargs = self._common_kwargs()
+        uses_new = self.max_completion_tokens is not None
+        # None runs to the context limit (Request.max_model_len), like OpenAI and vLLM chat.
+        kwargs["max_tokens"] = self.max_completion_tokens if uses_new else self.max_tokens
+        kwargs["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        names = {
+            "max_tokens": "max_completion_tokens" if uses_new else "max_tokens",
+            "logprobs": "top_logprobs",
+        }
+        return self._build(kwargs, names)
+
+
+class TokenizeCompletionRequest(_Body):
+    """POST /tokenize with a prompt (vLLM's shape)."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(_Body):
+    """POST /tokenize with messages, rendered through the chat template first."""
+
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    add_special_tokens: bool | None = False  # the template already holds BOS
+    return_token_strs: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        return _check_messages(v)
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v: list[int]) -> list[int]:
+        if not _token_ids(v):
+            raise ValueError("must be a list of token ids >= 0")
+        return v
+
+
+_T = TypeVar("_T", bound=BaseModel)
+
+
+def parse_request(cls: type[_T], body: bytes | str | object) -> _T:
+    """Validate a raw JSON body (bytes/str) or decoded JSON into `cls`; errors become a 400 APIError."""
+    try:
+        if isinstance(body, bytes | str):
+            return cls.model_validate_json(body)
+        return cls.model_validate(body)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def parse_tokenize_request(
+    body: bytes | str | object,
+) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """/tokenize takes either shape; the presence of `messages` decides which."""
+    if isinstance(body, bytes | str):
+        try:
+            body = json.loads(body)
+        except ValueError as e:
+            raise bad_request(
+                f"The request body is not valid JSON: {e}.", None, "invalid_json"
+            ) from None
+    if isinstance(body, dict) and "messages" in body:
+        return parse_request(TokenizeChatRequest, body)
+    return parse_request(TokenizeCompletionRequest, body)

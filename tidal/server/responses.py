@@ -1,0 +1,197 @@
+"""OpenAI API response bodies: completions, chat completions, their stream chunks, usage, logprobs, models, tokenize.
+
+Field names and nesting follow OpenAI exactly, so the `openai` SDK parses them into its own types.
+`finish_reason` is a plain string: "stop" and "length" are OpenAI's; the server maps tidal's other
+endings (abort, deadline, rejected, error) to an error response or an in-stream error event.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, Field, model_serializer
+
+# JSON has no -inf; a token the model rules out (logprob -inf) is reported as this, as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(v: float) -> float:
+    return MIN_LOGPROB if v != v or v < MIN_LOGPROB else v  # v != v: NaN
+
+
+Logprob = Annotated[float, AfterValidator(_finite)]
+
+
+def random_id(prefix: str) -> str:
+    """`cmpl-<32 hex>` / `chatcmpl-<32 hex>`: OpenAI's id shapes."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _now_s() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @classmethod
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    ) -> UsageInfo:
+        details = (
+            None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
+        )
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=details,
+        )
+
+
+# --- /v1/completions --------------------------------------------------------------------------
+
+
+class CompletionLogProbs(BaseModel):
+    """Legacy completions logprobs: parallel lists, one entry per token of `text`."""
+
+    text_offset: list[int] = Field(default_factory=list)  # character offset of each token in text
+    token_logprobs: list[Logprob | None] = Field(
+        default_factory=list
+    )  # None: first prompt token (echo)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, Logprob] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now_s)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    """One `data:` chunk; the usage-only chunk (include_usage) has `choices: []`."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+# --- /v1/chat/completions ---------------------------------------------------------------------
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: Logprob
+    bytes: list[int] | None = None  # UTF-8 bytes of token; lets clients rebuild split characters
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now_s)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    """A stream delta: the first carries role (and ""), later ones content, the last is {}."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler: Any) -> dict[str, Any]:
+        # OpenAI omits absent delta fields rather than sending null.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# --- /v1/models, /tokenize, /detokenize -------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now_s)
+    owned_by: str = "tidal"
+    root: str | None = None  # the checkpoint path or name it was loaded from
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
