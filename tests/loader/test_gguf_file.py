@@ -60,6 +60,8 @@ def _write_tiny(path: Path, alignment: int | None = None) -> dict[str, np.ndarra
         "t.u8s", [1, 2, 255], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.UINT8
     )
     writer.add_array("t.nested", [[1, 2], [3]])
+    writer.add_array("t.long_strs", [f"{i}é" * (i + 20) for i in range(60)])  # outgrows a window
+    writer.add_array("t.bytes_strs", [b"\xff", b"ok"])  # byte tokens need not be valid UTF-8
     tensors = {
         "f32": rng.standard_normal((3, 5)).astype(np.float32),
         "f16": rng.standard_normal((2, 4, 6)).astype(np.float16),
@@ -97,8 +99,8 @@ def test_tiny_file_matches_gguf_reader(tmp_path: Path) -> None:
         assert ours.version == 3
         assert ours.architecture() == "llama"
         for key, field in reader.fields.items():
-            if key.startswith("GGUF.") or key == "t.nested":
-                continue  # reader's header pseudo-fields; it cannot decode nested arrays
+            if key.startswith("GGUF.") or key in ("t.nested", "t.bytes_strs"):
+                continue  # header pseudo-fields; the reader cannot decode these two
             ref = field.contents()
             if (
                 field.types[0] == gguf.GGUFValueType.ARRAY
@@ -118,6 +120,8 @@ def test_tiny_file_matches_gguf_reader(tmp_path: Path) -> None:
         nested = ours.get("t.nested")
         assert [a.tolist() for a in nested] == [[1, 2], [3]]
         assert ours.get("missing", 42) == 42
+        assert ours.get("t.bytes_strs") == ["\udcff", "ok"]
+        assert ours.get("t.bytes_strs")[0].encode("utf-8", "surrogateescape") == b"\xff"
 
         assert list(ours.tensors) == [t.name for t in reader.tensors]
         for ref in reader.tensors:
@@ -187,7 +191,8 @@ def test_truncated(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     _write_tiny(path)
     full = path.read_bytes()
-    for cut in (30, 200, len(full) - 10):
+    inside_strings = full.index(b"t.long_strs") + 40
+    for cut in (30, 200, inside_strings, len(full) - 10):
         path.write_bytes(full[:cut])
         with pytest.raises(ValueError, match=r"tiny\.gguf: truncated GGUF file"):
             GGUFFile(path)
