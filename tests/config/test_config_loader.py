@@ -133,7 +133,7 @@ def test_cli_flags_map_to_keys() -> None:
         ("batching: {max_num_seqs: '8'}\n", r"^batching\.max_num_seqs='8' is invalid: expected an integer \("),
         ("batching: {max_num_seqs: true}\n", r"^batching\.max_num_seqs=True is invalid: expected an integer"),
         ("server: {port: 70000}\n", r"^server\.port=70000 is invalid: expected an integer in \[0, 65535\]"),
-        ("server: {api_keys: sk-1}\n", r"^server\.api_keys='sk-1' is invalid: expected a list of strings"),
+        ("server: {api_keys: sk-1}\n", r"^server\.api_keys='<masked>' is invalid: expected a list of strings"),
         ("memory: {memory_fraction: 1.5}\n", r"^memory\.memory_fraction=1\.5 is invalid: expected a number in \(0, 1\]"),
         ("memory: {kv_cache_bytes: lots}\n", r"^memory\.kv_cache_bytes='lots' is invalid: expected a byte count"),
         ("hardware: {device: tpu}\n", r"^hardware\.device='tpu' is invalid: expected auto, cpu, cuda or cuda:<index>"),

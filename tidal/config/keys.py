@@ -44,6 +44,10 @@ class ConfigKey:
     def env_var(self) -> str:
         return f"TIDAL_{self.section}_{self.name}".upper()
 
+    def shown(self, value: object) -> str:
+        """How a value appears in an error: secrets (server.api_keys) never do."""
+        return "'<masked>'" if self.name == "api_keys" else repr(value)
+
     def describe(self) -> str:
         kind = {
             int: "an integer",
@@ -100,7 +104,9 @@ def parse_bytes(text: str) -> int:
 
 def coerce_value(key: ConfigKey, value: object, origin: str) -> object:
     """Check a YAML or CLI value against the key's type; no guessing from strings except sizes."""
-    bad = ValueError(f"{key.full}={value!r} is invalid: expected {key.describe()} ({origin})")
+    bad = ValueError(
+        f"{key.full}={key.shown(value)} is invalid: expected {key.describe()} ({origin})"
+    )
     if value is None:
         if not key.optional:
             raise bad
@@ -129,7 +135,9 @@ def coerce_value(key: ConfigKey, value: object, origin: str) -> object:
 
 def parse_text(key: ConfigKey, text: str, origin: str) -> object:
     """Parse an environment string: null/none/empty for optional keys, true/false/1/0/yes/no/on/off, commas for lists."""
-    bad = ValueError(f"{key.full}={text!r} is invalid: expected {key.describe()} ({origin})")
+    bad = ValueError(
+        f"{key.full}={key.shown(text)} is invalid: expected {key.describe()} ({origin})"
+    )
     t = text.strip()
     if key.optional and t.lower() in ("", "null", "none"):
         return None
