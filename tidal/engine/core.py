@@ -1,0 +1,263 @@
+"""EngineCore: one synchronous step of continuous batching: schedule -> execute -> update."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal.config.engine import EngineConfig
+from tidal.engine.output import OutputState, RequestOutput, make_logprobs
+from tidal.engine.request import Request, RequestStatus
+from tidal.engine.sampling_params import SamplingParams
+from tidal.engine.stats import StepStats
+from tidal.kv.block_pool import num_blocks_for_budget
+from tidal.kv.layout import KVLayout
+from tidal.kv.manager import KVCacheManager
+from tidal.loader.model_loader import LoadedModel
+from tidal.scheduler.output import SchedulerOutput
+from tidal.scheduler.scheduler import Scheduler
+from tidal.worker.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
+
+
+@dataclass(slots=True)
+class _Parent:
+    """A user request; n > 1 is fanned out into n child requests that share the prompt's KV."""
+
+    request_id: str
+    prompt: str | None
+    delta: bool
+    children: list[OutputState] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)
+
+
+class EngineCore:
+    """Owns the scheduler, the KV manager, the model runner and every request's output state.
+
+    `add_request` queues work; each `step` runs one batch and returns the outputs that changed.
+    The offline `LLM` and the async server engine both drive this one class.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel,
+        tokenizer,  # tidal.loader.tokenizer.Tokenizer
+        clock: Callable[[], float] = time.monotonic,
+        on_step: Callable[[StepStats], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = tokenizer
+        self.clock = clock
+        self.on_step = on_step
+        arch = loaded.arch
+        self.max_model_len = min(
+            config.model.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings
+        )
+        kv_dtype = loaded.dtype
+        self.layout = KVLayout.from_layer_windows(
+            arch.layer_windows(),
+            block_size=config.cache.block_size,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            dtype_bytes=kv_dtype.itemsize,
+        )
+        self.num_blocks = num_blocks_for_budget(self.layout, self._kv_budget_bytes(loaded.device))
+        self.kv = KVCacheManager(self.layout, self.num_blocks, config.cache, clock)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, clock)
+        self.runner = ModelRunner(loaded, self.layout, self.num_blocks, kv_dtype)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(arch.eos_token_ids)
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, str] = {}
+        self.last_stats: StepStats | None = None
+
+    # ---- sizing -------------------------------------------------------------------------------
+
+    def _kv_budget_bytes(self, device: torch.device) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_bytes is not None:
+            return cache.kv_cache_bytes
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * cache.memory_fraction)
+        import psutil
+
+        return int(
+            min(cache.max_cpu_kv_bytes, psutil.virtual_memory().available * cache.memory_fraction)
+        )
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        session_id: str | None = None,
+        queue_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+        delta: bool = False,
+    ) -> bool:
+        """Queue a request; False when the waiting queue is full (it is then finished "rejected").
+
+        Raises ValueError for input the engine can never serve (empty or over-long prompt)."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id={request_id!r} is invalid: it is already in use")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty: expected at least one token")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_token_ids)} tokens: expected fewer than the context "
+                f"length {self.max_model_len}"
+            )
+        vocab = self.loaded.arch.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        now = self.clock()
+        parent = _Parent(request_id, prompt, delta)
+        accepted = True
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:
+                seed = None if params.seed is None else params.seed + i
+                child_params = _replace(params, n=1, seed=seed)
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(
+                request_id=child_id,
+                prompt_token_ids=list(prompt_token_ids),
+                sampling_params=child_params,
+                arrival_time_s=now,
+                eos_token_ids=self.eos_token_ids,
+                priority=priority,
+                session_id=session_id,
+                queue_deadline_s=None if queue_timeout_s is None else now + queue_timeout_s,
+                deadline_s=None if timeout_s is None else now + timeout_s,
+                max_model_len=self.max_model_len,
+            )
+            parent.children.append(
+                OutputState(req, self.tokenizer, prompt, index=i, clock=self.clock)
+            )
+            self._child_parent[child_id] = request_id
+            accepted = self.scheduler.add_request(req) and accepted
+        self._parents[request_id] = parent
+        if not accepted:
+            self.abort(request_id, RequestStatus.FINISHED_REJECTED)
+        return accepted
+
+    def abort(
+        self, request_id: str, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+    ) -> None:
+        """Finish a request now and free its KV; unknown ids are ignored."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return
+        for child in parent.children:
+            self.scheduler.finish_requests([child.request.request_id], status)
+            child.finish(status)
+            child.request.status = status
+        self._forget(parent)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._parents)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every request that changed (finished ones last)."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        touched: dict[str, _Parent] = {}
+        for req in sched.finished:  # deadlines, rejections, requests that can never fit
+            parent = self._parent_of(req.request_id)
+            if parent is not None:
+                self._state(parent, req.request_id).finish(req.status)
+                touched[parent.request_id] = parent
+        result = self.runner.execute(sched)
+        self._update(sched, result, touched)
+        outputs = [self._output(p) for p in touched.values()]
+        for parent in touched.values():
+            if parent.finished:
+                self._forget(parent)
+        self.last_stats = StepStats.from_step(
+            self.scheduler.stats, sched, time.perf_counter() - start, self.kv
+        )
+        if self.on_step is not None:
+            self.on_step(self.last_stats)
+        return outputs
+
+    def _update(
+        self, sched: SchedulerOutput, result: RunnerOutput, touched: dict[str, _Parent]
+    ) -> None:
+        now = self.clock()
+        for sr in sched.scheduled:
+            req = sr.request
+            parent = self._parent_of(req.request_id)
+            if parent is None:
+                continue
+            state = self._state(parent, req.request_id)
+            prompt_lp = result.prompt_logprobs.get(req.request_id)
+            if prompt_lp:
+                state.add_prompt_logprobs([self._logprob_entry(lp) for _, lp in prompt_lp])
+                touched[parent.request_id] = parent
+            token = result.sampled.get(req.request_id)
+            if token is None or req.is_finished:
+                continue
+            if req.first_token_time_s is None:
+                req.first_token_time_s = now
+            lp = result.logprobs.get(req.request_id)
+            delta = state.append([token], None if lp is None else [self._logprob_entry(lp)])
+            req.output_token_ids.extend(delta.new_token_ids)
+            touched[parent.request_id] = parent
+            if delta.finish is not None:
+                self.scheduler.finish_requests([req.request_id], delta.finish)
+                req.status = delta.finish
+                self.runner.release(req.request_id)
+
+    def _logprob_entry(self, lp: TokenLogprobs) -> dict:
+        return make_logprobs(
+            lp.token_id, lp.logprob, lp.rank, lp.top_ids, lp.top_logprobs, self.tokenizer
+        )
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        outs = [c.to_output(delta=parent.delta) for c in parent.children]
+        first = outs[0]
+        if len(outs) > 1:
+            first.request_id = parent.request_id
+            first.outputs = [o.outputs[0] for o in outs]
+            first.finished = parent.finished
+        return first
+
+    def _parent_of(self, child_id: str) -> _Parent | None:
+        pid = self._child_parent.get(child_id)
+        return None if pid is None else self._parents.get(pid)
+
+    @staticmethod
+    def _state(parent: _Parent, child_id: str) -> OutputState:
+        return next(c for c in parent.children if c.request.request_id == child_id)
+
+    def _forget(self, parent: _Parent) -> None:
+        self._parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self._child_parent.pop(child.request.request_id, None)
+            self.runner.release(child.request.request_id)
+
+
+def _replace(params: SamplingParams, **changes: object) -> SamplingParams:
+    from dataclasses import fields
+
+    kwargs = {f.name: getattr(params, f.name) for f in fields(params)}
+    kwargs.update(changes)
+    return SamplingParams(**kwargs)

@@ -1,0 +1,121 @@
+"""LLM: the offline API (vLLM's shape) over the same EngineCore the server uses."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from typing import Any
+
+from tidal.config.cache import CacheConfig
+from tidal.config.engine import EngineConfig
+from tidal.config.hardware import HardwareConfig
+from tidal.config.model import ModelConfig
+from tidal.config.scheduler import SchedulerConfig
+from tidal.engine.builder import build_engine
+from tidal.engine.output import RequestOutput
+from tidal.engine.sampling_params import SamplingParams
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "hardware": HardwareConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+}
+_ALIASES = {"model": ("model", "path")}
+
+
+def engine_config_from_kwargs(model: str | None, **kwargs: Any) -> EngineConfig:
+    """Flat keyword arguments (max_num_seqs=8, kv_cache_bytes=..., dtype=...) -> EngineConfig."""
+    sections: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+    sections["model"]["path"] = model
+    for key, value in kwargs.items():
+        if key == "dtype":
+            sections["hardware"]["dtype"] = value
+            continue
+        owner = next(
+            (s for s, cls in _SECTIONS.items() if key in {f.name for f in fields(cls)}), None
+        )
+        if owner is None:
+            raise ValueError(f"LLM() got an unknown argument {key!r}")
+        sections[owner][key] = value
+    return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS.items()})
+
+
+class LLM:
+    """`LLM(model=None)` serves the bundled Gemma 3 270M; pass a GGUF file or HF directory otherwise.
+
+    >>> outs = LLM().generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+    >>> outs[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.config = engine_config_from_kwargs(model, **kwargs)
+        self.engine = build_engine(self.config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+        items = self._normalize(prompts, prompt_token_ids)
+        params = sampling_params or SamplingParams()
+        per = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
+        if len(per) != len(items):
+            raise ValueError(f"got {len(per)} sampling_params for {len(items)} prompts")
+        ids = []
+        for i, ((text, token_ids), p) in enumerate(zip(items, per)):
+            rid = f"llm-{next(self._ids)}"
+            ids.append(rid)
+            ok = self.engine.add_request(
+                rid, token_ids, p, prompt=text, priority=0 if priority is None else priority[i]
+            )
+            if not ok:
+                raise RuntimeError(f"request {i} was rejected: the waiting queue is full")
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or several, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        texts = [tok.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]
+        ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+        return self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
+
+    def _normalize(self, prompts, prompt_token_ids) -> list[tuple[str | None, list[int]]]:
+        tok = self.engine.tokenizer
+        if prompt_token_ids is not None:
+            return [(None, list(ids)) for ids in prompt_token_ids]
+        if prompts is None:
+            raise ValueError("generate() needs prompts or prompt_token_ids")
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts and isinstance(prompts[0], int):
+            return [(None, list(prompts))]  # one prompt of token ids
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((p, tok.encode(p)))
+            else:
+                out.append((None, list(p)))
+        return out
+
+
+__all__ = ["LLM", "SamplingParams", "replace"]

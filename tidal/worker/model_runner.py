@@ -1,0 +1,149 @@
+"""ModelRunner: SchedulerOutput -> tensors -> model -> sampler -> token ids (one step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tidal.attention.metadata import build_metadata
+from tidal.kv.layout import KVLayout
+from tidal.layers.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
+from tidal.loader.model_loader import LoadedModel
+from tidal.scheduler.output import SchedulerOutput
+from tidal.worker.kv_cache import allocate_kv_caches
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of a chosen token and its top alternatives (ids and logprobs, best first)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Per request id: the sampled token (requests whose step reached the end of known tokens),
+    its logprobs when asked, and prompt logprobs for the prompt positions computed this step."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> [(position p, logprobs of token p given tokens < p), ...]
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, layout: KVLayout, num_blocks: int, kv_dtype: torch.dtype
+    ) -> None:
+        self.model = loaded.model
+        self.arch = loaded.arch
+        self.device = loaded.device
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(layout, num_blocks, kv_dtype, self.device)
+        self.sampler = Sampler(loaded.arch.vocab_size, self.device)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        """Forget a finished request's sampling state."""
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = self._generators[request_id] = make_generator(seed, self.device)
+        return gen
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        out = RunnerOutput()
+        if sched.is_empty:
+            return out
+        ids: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []  # flat token index whose logits are sampled
+        rows: list[SamplingRow] = []
+        row_ids: list[str] = []
+        prompt_rows: list[tuple[str, int, int, int]] = []  # (request id, flat start, first pos, n)
+        for sr in sched.scheduled:
+            req = sr.request
+            end = sr.start + sr.num_tokens
+            flat = len(ids)
+            ids.extend(req.all_token_ids[sr.start : end])
+            positions.extend(range(sr.start, end))
+            if sr.want_prompt_logprobs:
+                # Logits at position p predict token p + 1: prompt positions 1..P-1 get scored.
+                last = min(end, req.num_prompt_tokens - 1)
+                if last > sr.start:
+                    prompt_rows.append((req.request_id, flat, sr.start, last - sr.start))
+            if sr.sample:
+                sample_rows.append(len(ids) - 1)
+                rows.append(
+                    SamplingRow(
+                        params=req.sampling_params,
+                        prompt_token_ids=req.prompt_token_ids,
+                        output_token_ids=req.output_token_ids,
+                        generator=self._generator(req.request_id, req.sampling_params.seed),
+                        eos_token_ids=req.eos_token_ids,
+                    )
+                )
+                row_ids.append(req.request_id)
+        meta = build_metadata(
+            [sr.num_tokens for sr in sched.scheduled],
+            [sr.start + sr.num_tokens for sr in sched.scheduled],
+            [sr.block_tables for sr in sched.scheduled],
+            self.layout.block_size,
+            self.device,
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, pos, meta, self.kv_caches)
+        if rows:
+            logits = self.model.compute_logits(
+                hidden[torch.tensor(sample_rows, device=self.device)]
+            )
+            result = self.sampler(logits, rows)
+            tokens = result.token_ids.tolist()
+            for i, rid in enumerate(row_ids):
+                out.sampled[rid] = tokens[i]
+                k = rows[i].params.logprobs
+                if k is not None and result.logprobs is not None:
+                    out.logprobs[rid] = TokenLogprobs(
+                        tokens[i],
+                        float(result.logprobs[i]),
+                        int(result.ranks[i]) if result.ranks is not None else 0,
+                        result.top_ids[i, :k].tolist() if result.top_ids is not None else [],
+                        result.top_logprobs[i, :k].tolist()
+                        if result.top_logprobs is not None
+                        else [],
+                    )
+        for rid, flat, first, n in prompt_rows:
+            req = next(sr.request for sr in sched.scheduled if sr.request.request_id == rid)
+            k = req.sampling_params.prompt_logprobs or 0
+            logits = self.model.compute_logits(hidden[flat : flat + n])
+            targets = torch.tensor(
+                req.prompt_token_ids[first + 1 : first + 1 + n], device=self.device
+            )
+            pl = prompt_logprobs(logits, targets, max(k, 1))
+            entries = out.prompt_logprobs.setdefault(rid, [])
+            for j in range(n):
+                entries.append(
+                    (
+                        first + 1 + j,
+                        TokenLogprobs(
+                            int(targets[j]),
+                            float(pl.target_logprobs[j]),
+                            int(pl.target_ranks[j]),
+                            pl.top_ids[j, :k].tolist(),
+                            pl.top_logprobs[j, :k].tolist(),
+                        ),
+                    )
+                )
+        return out
