@@ -201,3 +201,49 @@ def test_prompt_logprobs_shapes_and_values() -> None:
 def test_mismatched_rows_raise() -> None:
     with pytest.raises(ValueError, match="rows"):
         _sampler()(torch.zeros(2, V), [_row()])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_seeded_rows_are_batch_invariant_and_greedy_ties_pick_lowest_id() -> None:
+    dev = torch.device("cuda")
+    vocab = 32000
+    torch.manual_seed(4)
+    logits = torch.randn(4, vocab, device=dev)
+    logits[3, 10] = logits[3, 20] = 100.0
+
+    def rows() -> list[SamplingRow]:
+        params = [SamplingParams(seed=5, top_p=0.9), SamplingParams(), SamplingParams(seed=6)]
+        made = [
+            SamplingRow(p, [1], [2], make_generator(p.seed, dev) if p.seed else None)
+            for p in params
+        ]
+        return made + [SamplingRow(SamplingParams(temperature=0.0), [], [], None)]
+
+    sampler = Sampler(vocab, dev)
+    batched = [sampler(logits, rows()).token_ids.tolist() for _ in range(3)]
+    alone = sampler(logits[:1], rows()[:1]).token_ids.item()
+    assert all(b[0] == alone and b[3] == 10 for b in batched)
+
+
+def test_seeded_draws_follow_the_filtered_distribution() -> None:
+    # 4000 requests with their own seeds, one draw each: the exponential race is exact sampling.
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -3.0, 0.2])
+    n = 4000
+    rows = [_row(seed=s, top_k=6, temperature=0.8) for s in range(n)]
+    out = _sampler()(logits.expand(n, V), rows)
+    counts = torch.bincount(out.token_ids, minlength=V)
+    kept = logits.topk(6).indices
+    expected = torch.zeros(V)
+    expected[kept] = torch.softmax(logits[kept] / 0.8, dim=-1) * n
+    live = expected > 0
+    assert counts[~live].sum() == 0
+    chi2 = (((counts[live] - expected[live]) ** 2) / expected[live]).sum().item()
+    assert chi2 < 20.5, (chi2, counts.tolist())  # 5 dof, P(chi2 > 20.5) ~ 0.001
+
+
+def test_top_k_with_top_p_in_every_row_uses_only_the_k_best() -> None:
+    # probs 0.4, 0.3, 0.2, 0.1: top_k=3 renormalizes to 4/9, 3/9, 2/9; top_p=0.7 keeps {0, 1}.
+    logits = [math.log(x) for x in (0.4, 0.3, 0.2, 0.1)] + [-math.inf] * 4
+    counts = _draw_counts(logits, 1000, top_k=3, top_p=0.7)
+    assert counts[2:] == [0] * 6 and counts[0] > 0 and counts[1] > 0

@@ -86,11 +86,8 @@ def _rank(logprobs: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
 
 
 def _greedy(logits: torch.Tensor) -> torch.Tensor:
-    # Argmax with ties broken by the lowest id on every device (torch.argmax leaves ties unspecified
-    # on some backends). (B, V) -> (B,)
-    vocab = torch.arange(logits.shape[-1], device=logits.device)
-    is_max = logits == logits.max(dim=-1, keepdim=True).values
-    return torch.where(is_max, vocab, logits.shape[-1]).min(dim=-1).values
+    # torch.argmax documents that ties return the first maximal index, on every device. (B, V) -> (B,)
+    return logits.argmax(dim=-1)
 
 
 class Sampler:
@@ -100,10 +97,10 @@ class Sampler:
     v1 returns by default: they describe the model, not the sampling policy, and stay comparable
     across requests with different parameters.
 
-    Random rows draw with the exponential race, argmax(probs / q) with q ~ Exp(1) per token. A seeded
-    row draws its whole q vector from its own generator every step, so its tokens depend only on
-    its seed and its logits, never on which other rows share the batch. Unseeded rows share one
-    batched draw from the sampler's generator.
+    A seeded row draws with the exponential race, argmax(probs / q) with q ~ Exp(1) per token, its
+    whole q vector from its own generator every step, so its tokens depend only on its seed and
+    its logits, never on which other rows share the batch. Unseeded rows draw by inverse CDF with
+    one uniform each from the sampler's generator (V exponentials per row are costly on CPU).
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
@@ -129,8 +126,12 @@ class Sampler:
         logits = self._suppress_stops(logits, rows)
 
         greedy = [r.params.temperature < _MIN_TEMPERATURE for r in rows]
-        token_ids = _greedy(logits)
-        if not all(greedy):
+        if all(greedy):
+            token_ids = _greedy(logits)
+        elif not any(greedy):
+            token_ids = self._sample(logits, rows)
+        else:
+            token_ids = _greedy(logits)
             # Python-side indices: no device sync, unlike nonzero() on a mask.
             picked = [i for i, g in enumerate(greedy) if not g]
             idx = torch.tensor(picked, device=logits.device)
@@ -221,26 +222,43 @@ class Sampler:
         logits = logits.masked_fill(dead, 0.0)
         probs = torch.softmax(logits, dim=-1)  # (R, V)
 
-        noise = torch.empty_like(probs)
-        seeded = [i for i, r in enumerate(rows) if r.generator is not None]
-        if len(seeded) < len(rows):
-            noise.exponential_(generator=self.generator)
-        for i in seeded:
-            # Each seeded row consumes exactly V draws from its own generator per step.
-            noise[i] = torch.empty_like(probs[i]).exponential_(generator=rows[i].generator)
-        # NOTE: exponential_ may return 0; clamping keeps p / q finite (and 0 / q == 0 for masked p).
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return _greedy(probs / noise)
+        token_ids = torch.empty(len(rows), dtype=torch.int64, device=dev)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            # Inverse CDF: one uniform per row instead of V exponentials (far cheaper on CPU).
+            idx = torch.tensor(unseeded, device=dev)
+            cdf = (probs if len(unseeded) == len(rows) else probs[idx]).cumsum(dim=-1)  # (U, V)
+            u = torch.rand(len(unseeded), 1, device=dev, generator=self.generator) * cdf[:, -1:]
+            # right=True picks the first i with cdf[i] > u, so a zero-probability token never wins.
+            picked = (
+                torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+            )
+            token_ids[idx] = picked
+        for i, row in enumerate(rows):
+            if row.generator is None:
+                continue
+            # Exponential race with V draws from the row's own generator every step: only
+            # elementwise work on the row, so the token cannot depend on the rest of the batch.
+            noise = torch.empty_like(probs[i]).exponential_(generator=row.generator)
+            # NOTE: exponential_ may return 0; clamping keeps p / q finite (0 / q == 0 for masked p).
+            noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+            token_ids[i] = (probs[i] / noise).argmax()
+        return token_ids
 
     @staticmethod
     def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
         # Work in descending-sorted space: keep the first k, then the smallest prefix whose mass
-        # reaches top_p (the most likely token always survives), then scatter back.
+        # reaches top_p (the most likely token always survives), then scatter back. When every row
+        # has a top_k, only the best max(k) candidates are sorted (topk), not the whole vocab.
         vocab = logits.shape[1]
         dev = logits.device
-        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (R, V)
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=dev)
-        position = torch.arange(vocab, device=dev)[None, :]
+        ks = [k if 0 < k < vocab else vocab for k in top_k]
+        if max(ks) < vocab:
+            sorted_logits, order = logits.topk(max(ks), dim=-1)  # (R, K)
+        else:
+            sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)  # (R, V)
+        k = torch.tensor(ks, device=dev)
+        position = torch.arange(sorted_logits.shape[1], device=dev)[None, :]
         sorted_logits = sorted_logits.masked_fill(position >= k[:, None], float("-inf"))
         # top_p == 1 must keep everything, even where the float32 cumsum rounds up past 1.
         p = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], device=dev)[:, None]
@@ -248,4 +266,4 @@ class Sampler:
         mass_before = probs.cumsum(dim=-1) - probs
         drop = (mass_before >= p) & (position > 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
