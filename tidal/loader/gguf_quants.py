@@ -8,7 +8,7 @@ import torch
 
 from tidal.loader.gguf_file import BLOCK_SIZES, GGMLType
 
-CHUNK_ELEMS = 1 << 18  # values decoded per slice; 1 MiB of float32
+CHUNK_ELEMS = 1 << 20  # values decoded per slice: 4 MiB of float32, few parallel regions
 
 
 def type_size(ggml_type: GGMLType) -> tuple[int, int]:
