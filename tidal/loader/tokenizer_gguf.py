@@ -1,0 +1,372 @@
+"""Builds a `tokenizers.Tokenizer` from a GGUF file's `tokenizer.ggml.*` metadata, with an on-disk cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers.models import BPE
+
+from tidal.loader.gguf_file import GGUFFile
+
+# Bump when the built tokenizer or the cached fields change, so old caches are rebuilt.
+CACHE_FORMAT_VERSION = 1
+CACHE_SUFFIX = ".tokenizer.json"
+
+# llama.cpp's token types (tokenizer.ggml.token_type).
+TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
+    1,
+    2,
+    3,
+    4,
+    5,
+    6,
+)
+
+# Pre-tokenizer split patterns by `tokenizer.ggml.pre`; they decide which byte spans BPE may merge.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+BPE_PRE_SPLITS: dict[str, str] = {
+    "llama3": _LLAMA3_SPLIT,
+    "llama-v3": _LLAMA3_SPLIT,
+    "llama-bpe": _LLAMA3_SPLIT,
+    "smaug-bpe": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+    "deepseek-r1-qwen": _QWEN2_SPLIT,
+}
+# Llama 3's own tokenizer emits a pre-token whole when it is in the vocabulary (llama.cpp does too).
+_IGNORE_MERGES_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe"})
+# Pre types that mean "GPT-2's own split", the ByteLevel pre-tokenizer's built-in regex.
+_GPT2_PRES = frozenset({"default", "gpt-2", "gpt2"})
+
+
+@dataclass(frozen=True, slots=True)
+class GGUFTokenizerInfo:
+    """What the runtime needs from a GGUF's tokenizer metadata besides the tokenizer itself."""
+
+    architecture: str
+    tokenizer_model: str  # tokenizer.ggml.model: "llama" or "gpt2"
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    add_bos_token: bool
+    chat_template: str | None
+
+
+def build_gguf_tokenizer(gguf: GGUFFile) -> tuple[Tokenizer, GGUFTokenizerInfo]:
+    """Build the tokenizer a GGUF file describes (no cache)."""
+    meta = gguf.metadata
+    model = meta.get("tokenizer.ggml.model")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ValueError(f"{gguf.path}: metadata tokenizer.ggml.tokens is missing or empty")
+    types = _int_array(meta.get("tokenizer.ggml.token_type"), len(tokens), TOKEN_NORMAL)
+    arch = str(meta.get("general.architecture", ""))
+    if model == "llama":
+        tok, vocab = _build_sentencepiece(meta, tokens, arch)
+    elif model == "gpt2":
+        tok, vocab = _build_byte_level(meta, tokens, types, gguf.path)
+    else:
+        raise ValueError(
+            f"{gguf.path}: tokenizer.ggml.model is {model!r}; supported: 'llama' (SentencePiece BPE), "
+            "'gpt2' (byte-level BPE)"
+        )
+    _add_special_tokens(tok, vocab, tokens, types)
+    default_add_bos = (
+        model == "llama"
+    )  # llama.cpp adds BOS to SentencePiece vocabs unless told not to
+    info = GGUFTokenizerInfo(
+        architecture=arch,
+        tokenizer_model=str(model),
+        bos_token_id=_opt_int(meta.get("tokenizer.ggml.bos_token_id")),
+        eos_token_id=_opt_int(meta.get("tokenizer.ggml.eos_token_id")),
+        pad_token_id=_opt_int(meta.get("tokenizer.ggml.padding_token_id")),
+        add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos)),
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+    return tok, info
+
+
+def load_gguf_tokenizer(
+    path: str | os.PathLike[str], gguf: GGUFFile | None = None
+) -> tuple[Tokenizer, GGUFTokenizerInfo]:
+    """The GGUF's tokenizer, from the cache when it matches this exact file, else built and cached.
+
+    The cache lives beside the model (`<model file>.tokenizer.json`), or under tidal's cache
+    directory when that folder is not writable. It records the model's size and mtime and the
+    format version; any mismatch means a rebuild, so a different file never reuses it.
+    """
+    model_path = Path(path)
+    key = _source_key(model_path)
+    for cache_path in _cache_candidates(model_path):
+        cached = _read_cache(cache_path, key)
+        if cached is not None:
+            return cached
+    if gguf is None:
+        with GGUFFile(model_path) as opened:
+            tok, info = build_gguf_tokenizer(opened)
+    else:
+        tok, info = build_gguf_tokenizer(gguf)
+    for cache_path in _cache_candidates(model_path):
+        if _write_cache(cache_path, key, tok, info):
+            break
+    return tok, info
+
+
+# ---------------------------------------------------------------- SentencePiece (BPE) vocabularies
+
+
+def _build_sentencepiece(
+    meta: dict[str, Any], tokens: list[str], arch: str
+) -> tuple[Tokenizer, dict[str, int]]:
+    # A token made only of spaces is stored with real spaces in some files (Gemma) but must be
+    # spelled with "▁" to be reachable, since spaces become "▁" before the model sees the text.
+    spelled = [t.replace(" ", "\u2581") if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    scores = meta.get("tokenizer.ggml.scores")
+    if arch.startswith("gemma") or scores is None:
+        # Gemma's scores do not follow its merge order; the position in the file does.
+        rank_scores = -np.arange(len(tokens), dtype=np.float64)
+    else:
+        rank_scores = np.asarray(scores, dtype=np.float64)
+    merges = _merges_from_vocab(spelled, vocab, rank_scores)
+    unk_id = _opt_int(meta.get("tokenizer.ggml.unknown_token_id"))
+    unk = spelled[unk_id] if unk_id is not None and 0 <= unk_id < len(spelled) else None
+    tok = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+            dropout=None,
+        )
+    )
+    add_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    if add_prefix:
+        # "first": only the very start of the input gets the "▁", not text after a special token.
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first", split=False
+        )
+        tok.decoder = decoders.Sequence(
+            [
+                decoders.Replace("\u2581", " "),
+                decoders.ByteFallback(),
+                decoders.Fuse(),
+                decoders.Strip(" ", 1, 0),
+            ]
+        )
+    else:
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+    return tok, vocab
+
+
+def _merges_from_vocab(
+    tokens: list[str], vocab: dict[str, int], rank_scores: np.ndarray
+) -> list[tuple[str, str]]:
+    """Every split of a token into two vocabulary pieces, best merge first.
+
+    A SentencePiece BPE model merges the adjacent pair whose result scores highest; listing the
+    splits by their result's score (then longer left piece, then piece ids) gives the same order
+    to a rank-based BPE.
+    """
+    keyed: list[tuple[float, int, int, int, int, str, str]] = []
+    for index, token in enumerate(tokens):
+        if vocab.get(token) != index:  # a duplicate spelling: the last one owns the string
+            continue
+        score = float(rank_scores[index])
+        for cut in range(1, len(token)):
+            left_id = vocab.get(token[:cut])
+            if left_id is None:
+                continue
+            right_id = vocab.get(token[cut:])
+            if right_id is None:
+                continue
+            keyed.append((-score, -cut, index, left_id, right_id, token[:cut], token[cut:]))
+    keyed.sort(key=lambda k: k[:5])
+    return [(k[5], k[6]) for k in keyed]
+
+
+# ---------------------------------------------------------------- byte-level BPE vocabularies
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (printable bytes map to themselves)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table = {b: chr(b) for b in printable}
+    shift = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + shift)
+            shift += 1
+    return table
+
+
+def _build_byte_level(
+    meta: dict[str, Any], tokens: list[str], types: np.ndarray, path: Path
+) -> tuple[Tokenizer, dict[str, int]]:
+    table = _byte_alphabet()
+    alphabet = set(table.values())
+    spelled = []
+    for token, token_type in zip(tokens, types, strict=True):
+        if token_type == TOKEN_CONTROL or set(token) <= alphabet:
+            spelled.append(token)
+        else:
+            # A normal token written in plain UTF-8 instead of the byte alphabet: respell it.
+            raw = token.encode("utf-8", errors="surrogateescape")
+            spelled.append("".join(table[b] for b in raw))
+    vocab = {t: i for i, t in enumerate(spelled)}
+    raw_merges = meta.get("tokenizer.ggml.merges")
+    if raw_merges is not None:
+        merges = []
+        for line in raw_merges:
+            left, sep, right = line.partition(" ")
+            if not sep:
+                raise ValueError(
+                    f"{path}: tokenizer.ggml.merges entry {line!r} is not 'left right'"
+                )
+            merges.append((left, right))
+    else:
+        scores = meta.get("tokenizer.ggml.scores")
+        ranks = (
+            np.asarray(scores, np.float64)
+            if scores is not None
+            else -np.arange(len(spelled), dtype=np.float64)
+        )
+        merges = _merges_from_vocab(spelled, vocab, ranks)
+    pre = str(meta.get("tokenizer.ggml.pre", "default"))
+    tok = Tokenizer(
+        BPE(vocab=vocab, merges=merges, dropout=None, ignore_merges=pre in _IGNORE_MERGES_PRES)
+    )
+    split = BPE_PRE_SPLITS.get(pre)
+    if split is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    elif pre in _GPT2_PRES:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        raise ValueError(
+            f"{path}: tokenizer.ggml.pre is {pre!r}; supported: {sorted(set(BPE_PRE_SPLITS) | _GPT2_PRES)}"
+        )
+    tok.decoder = decoders.ByteLevel()
+    return tok, vocab
+
+
+# ---------------------------------------------------------------- shared
+
+
+def _add_special_tokens(
+    tok: Tokenizer, vocab: dict[str, int], tokens: list[str], types: np.ndarray
+) -> None:
+    """Make control tokens special and user-defined ones plain added tokens.
+
+    Both are matched whole in raw text (llama.cpp does the same), so "<start_of_turn>" written in a
+    prompt is one id. Only control tokens are special, i.e. dropped by skip_special_tokens; user-
+    defined ones such as "\\n\\n" or "<b>" are ordinary text.
+    """
+    control = [t for t, k in zip(tokens, types, strict=True) if k == TOKEN_CONTROL and t in vocab]
+    user = [t for t, k in zip(tokens, types, strict=True) if k == TOKEN_USER_DEFINED and t in vocab]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+
+
+def _int_array(values: Any, count: int, default: int) -> np.ndarray:
+    if values is None:
+        return np.full(count, default, dtype=np.int64)
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.shape != (count,):
+        raise ValueError(
+            f"tokenizer.ggml.token_type has {arr.size} entries; expected {count} (one per token)"
+        )
+    return arr
+
+
+def _opt_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+@dataclass(frozen=True, slots=True)
+class _SourceKey:
+    """Identifies the model file a cache was built from."""
+
+    format_version: int
+    size_bytes: int
+    mtime_ns: int
+
+
+def _source_key(model_path: Path) -> _SourceKey:
+    st = model_path.stat()
+    return _SourceKey(CACHE_FORMAT_VERSION, st.st_size, st.st_mtime_ns)
+
+
+def tidal_cache_dir() -> Path:
+    """`$TIDAL_CACHE_DIR`, else `$XDG_CACHE_HOME/tidal`, else `~/.cache/tidal` (not created)."""
+    explicit = os.environ.get("TIDAL_CACHE_DIR")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tidal"
+
+
+def _cache_candidates(model_path: Path) -> Sequence[Path]:
+    beside = model_path.with_name(model_path.name + CACHE_SUFFIX)
+    # The name is per absolute path; the recorded key still guards against a replaced file.
+    digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
+    central = tidal_cache_dir() / "tokenizers" / f"{model_path.name}-{digest}{CACHE_SUFFIX}"
+    return (beside, central)
+
+
+def _read_cache(cache_path: Path, key: _SourceKey) -> tuple[Tokenizer, GGUFTokenizerInfo] | None:
+    try:
+        doc = json.loads(cache_path.read_text(encoding="utf-8"))
+        if doc.get("source") != asdict(key):
+            return None
+        return Tokenizer.from_str(doc["tokenizer"]), GGUFTokenizerInfo(**doc["info"])
+    except Exception:  # a missing, stale or corrupt cache is only a miss
+        return None
+
+
+def _write_cache(
+    cache_path: Path, key: _SourceKey, tok: Tokenizer, info: GGUFTokenizerInfo
+) -> bool:
+    doc = {"source": asdict(key), "info": asdict(info), "tokenizer": tok.to_str()}
+    try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        # Write then rename, so a concurrent reader never sees half a file.
+        fd, tmp = tempfile.mkstemp(dir=cache_path.parent, prefix=cache_path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(doc, f, ensure_ascii=False)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache holds nothing secret
+            os.replace(tmp, cache_path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError:
+        return False
+    return True
