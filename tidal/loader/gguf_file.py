@@ -302,7 +302,7 @@ class GGUFFile:
             self.metadata[key] = cursor.value(vtype, f"metadata {key!r}")
 
         alignment = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
-        if not isinstance(alignment, int) or alignment <= 0:
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0:
             raise ValueError(
                 f"{self.path}: general.alignment is {alignment!r}; expected a positive integer"
             )
