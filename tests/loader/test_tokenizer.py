@@ -255,6 +255,18 @@ def test_sentencepiece_gguf_matches_transformers(tmp_path: Path) -> None:
     assert ours.add_bos_token is True and ours.bos_token_id == 1
 
 
+def test_llama_family_is_decided_by_the_vocabulary(tmp_path: Path) -> None:
+    # tidal's model family "llama" covers Llama 2, Llama 3 and Qwen-style vocabularies.
+    assert (
+        load_tokenizer(_byte_level_gguf(tmp_path / "q.gguf", "qwen2"), "llama").family == "chatml"
+    )
+    plain = load_tokenizer(_sentencepiece_gguf(tmp_path / "s.gguf", None), "llama")
+    assert plain.family is None and plain.chat_template is None
+    assert plain.eos_token_ids == {2}
+    with pytest.raises(ValueError, match="no chat template"):
+        plain.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def test_sentencepiece_without_space_prefix(tmp_path: Path) -> None:
     ours = load_tokenizer(_sentencepiece_gguf(tmp_path / "spm.gguf", False))
     tid = ours.token_to_id

@@ -37,6 +37,9 @@ _FAMILY_ALIASES: dict[str, str] = {
     "mistral": "mistral",
 }
 
+# Model families whose checkpoints use several chat formats: the vocabulary tells which.
+_VOCAB_DECIDES = frozenset({"llama"})
+
 
 class Tokenizer:
     """A fast `tokenizers.Tokenizer` plus what serving needs from the checkpoint around it."""
@@ -225,10 +228,11 @@ def _hf_chat_template(root: Path, tcfg: dict[str, Any]) -> str | None:
 
 
 def _resolve_family(family: str | None, model_type: str, hf: tokenizers.Tokenizer) -> str | None:
-    if family is not None:
+    if family is not None and family.lower() not in _VOCAB_DECIDES:
         resolved = _FAMILY_ALIASES.get(family.lower())
         if resolved is None:
-            raise ValueError(f"family is {family!r}; accepted: {sorted(_FAMILY_ALIASES)}")
+            accepted = sorted({*_FAMILY_ALIASES, *_VOCAB_DECIDES})
+            raise ValueError(f"family is {family!r}; accepted: {accepted}")
         return resolved
     resolved = _FAMILY_ALIASES.get(model_type.lower())
     if resolved is not None:
