@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-COMMON = dict(
+_COMMON = dict(
     vocab_size=128,
     hidden_size=64,
     intermediate_size=96,
@@ -19,8 +19,10 @@ COMMON = dict(
 )
 
 
-def tiny_config(family: str):
+def tiny_config(family: str, vocab_size: int = 128):
     import transformers as tf
+
+    COMMON = {**_COMMON, "vocab_size": vocab_size}
 
     if family == "gemma3":
         return tf.Gemma3TextConfig(
@@ -54,12 +56,12 @@ def tiny_config(family: str):
     raise ValueError(family)
 
 
-def make_tiny_model(family: str, out_dir: Path, seed: int = 0):
+def make_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int = 128):
     """A transformers model with weights large enough that attention patterns matter."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    config = tiny_config(family)
+    config = tiny_config(family, vocab_size)
     config._attn_implementation = "eager"
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():

@@ -1,0 +1,97 @@
+"""A request's greedy output is the same alone or among 16 concurrent requests of mixed lengths:
+with or without prefix hits, chunked or not, preempted or not, and under priorities."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.kv.pool_check import assert_pool_clean
+from tidal import LLM, SamplingParams
+
+NUM_REQUESTS = 16
+MAX_TOKENS = 12
+
+
+def _prompts(seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, 320) for _ in range(shared_prefix)]
+    return [
+        [1] + prefix + [rng.randrange(3, 320) for _ in range(rng.randrange(2, 50))]
+        for _ in range(NUM_REQUESTS)
+    ]
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
+
+
+def _run_alone(llm: LLM, prompts: list[list[int]]):
+    return [llm.generate(prompt_token_ids=[p], sampling_params=PARAMS)[0] for p in prompts]
+
+
+def _assert_same(alone, batched):
+    for a, b in zip(alone, batched, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            for tid, lp in la.items():
+                assert abs(lp.logprob - lb[tid].logprob) < 1e-4
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    """Outputs of every request run alone, prefix caching off, one sequence at a time."""
+    llm = LLM(
+        str(tiny_model_dir),
+        kv_cache_bytes=8 << 20,
+        block_size=8,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+    )
+    return {
+        seed: _run_alone(llm, _prompts(seed, shared_prefix=20 if seed else 0)) for seed in (0, 1)
+    }
+
+
+@pytest.mark.parametrize(
+    "name,kwargs",
+    [
+        ("batched", dict(kv_cache_bytes=8 << 20, max_num_seqs=16, max_num_batched_tokens=1024)),
+        ("chunked", dict(kv_cache_bytes=8 << 20, max_num_seqs=16, max_num_batched_tokens=24)),
+        (
+            "unchunked",
+            dict(
+                kv_cache_bytes=8 << 20,
+                max_num_seqs=16,
+                max_num_batched_tokens=64,
+                enable_chunked_prefill=False,
+            ),
+        ),
+        ("preempted", dict(kv_cache_bytes=140 << 10, max_num_seqs=16, max_num_batched_tokens=256)),
+    ],
+)
+@pytest.mark.parametrize("seed", [0, 1])  # 1: all prompts share a 20-token prefix (prefix hits)
+def test_batched_equals_alone(tiny_model_dir, reference, name, kwargs, seed):
+    llm = LLM(str(tiny_model_dir), block_size=8, **kwargs)
+    prompts = _prompts(seed, shared_prefix=20 if seed else 0)
+    priorities = [random.Random(seed).randrange(-2, 3) for _ in prompts]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, priority=priorities)
+    _assert_same(reference[seed], outs)
+    stats = llm.engine.last_stats
+    if name == "preempted":
+        assert stats.num_preemptions_total > 0
+    if seed == 1 and name != "preempted":
+        assert stats.prefix_hit_tokens_total >= 16 * (NUM_REQUESTS - 1)
+    assert_pool_clean(llm.engine.kv)
+
+
+def test_prefix_hit_on_second_run_changes_nothing(tiny_model_dir, reference):
+    llm = LLM(str(tiny_model_dir), kv_cache_bytes=8 << 20, block_size=8)
+    prompts = _prompts(0)
+    first = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    hits_before = llm.engine.kv.prefix_hit_tokens
+    second = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    assert llm.engine.kv.prefix_hit_tokens > hits_before
+    _assert_same(reference[0], first)
+    _assert_same(reference[0], second)
+    assert_pool_clean(llm.engine.kv)
