@@ -1,0 +1,196 @@
+"""A real `tidal serve` subprocess on a tiny random model, driven by the official openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY
+from tests.server.tiny_server import ServerProcess
+
+MODEL = "tiny"
+
+
+def _client(server: ServerProcess, **kw) -> openai.OpenAI:
+    return openai.OpenAI(
+        api_key=API_KEY, base_url=server.base_url + "/v1", max_retries=0, timeout=60, **kw
+    )
+
+
+def _greedy_completion(client: openai.OpenAI, prompt: str, max_tokens: int = 12, **kw):
+    return client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_body={"ignore_eos": True}, **kw,
+    )  # fmt: skip
+
+
+def test_models_health_ready(server: ServerProcess) -> None:
+    client = _client(server)
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(server.base_url + "/health").status_code == 200
+    assert httpx.get(server.base_url + "/ready").status_code == 200
+
+
+def test_completion_stream_equals_non_stream(server: ServerProcess) -> None:
+    client = _client(server)
+    full = _greedy_completion(client, "Hello there", max_tokens=10)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 10
+    assert full.usage.prompt_tokens == len("Hello there") + 1  # char-level + BOS
+    stream = client.completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text and text != ""
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_chat_stream_equals_non_stream(server: ServerProcess) -> None:
+    client = _client(server)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 8
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+
+
+def test_completion_logprobs(server: ServerProcess) -> None:
+    out = _greedy_completion(_client(server), "Tide", max_tokens=6, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    # Special tokens have logprobs but no text (skip_special_tokens).
+    assert "".join(t for t in lp.tokens if not t.startswith("<")) == out.choices[0].text
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert logprob <= 0.0
+        assert 2 <= len(top) <= 3
+        # Greedy: the chosen token is the most likely one.
+        assert max(top.values()) == pytest.approx(logprob)
+        assert top[token] == pytest.approx(logprob)
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1])
+def test_echo_with_logprobs(server: ServerProcess, max_tokens: int) -> None:
+    prompt = "Echo me"
+    out = _greedy_completion(_client(server), prompt, max_tokens=max_tokens, logprobs=1, echo=True)
+    choice = out.choices[0]
+    assert choice.text.startswith(prompt)
+    num_prompt = len(prompt) + 1  # BOS
+    lp = choice.logprobs
+    assert len(lp.tokens) == num_prompt + max_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts BOS
+    assert all(x is not None and x <= 0 for x in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[1:num_prompt]) == prompt
+    assert out.usage.completion_tokens == max_tokens
+
+
+def test_n2_and_seed(server: ServerProcess) -> None:
+    client = _client(server)
+    kw = dict(model=MODEL, prompt="Once", max_tokens=8, temperature=1.0, n=2, seed=1234,
+              extra_body={"ignore_eos": True})  # fmt: skip
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert sorted(c.index for c in a.choices) == [0, 1]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert a.usage.completion_tokens == 16
+    c = client.completions.create(**{**kw, "seed": 99})
+    assert [x.text for x in c.choices] != [x.text for x in a.choices]
+    greedy = client.completions.create(**{**kw, "temperature": 0.0})
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
+def test_stop_string_cuts_output(server: ServerProcess) -> None:
+    client = _client(server)
+    text = _greedy_completion(client, "Stop here", max_tokens=16).choices[0].text
+    stop = text[6:8]
+    expected = text[: text.find(stop)]
+    out = _greedy_completion(client, "Stop here", max_tokens=16, stop=[stop])
+    assert out.choices[0].text == expected
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_prompt_as_token_ids(server: ServerProcess) -> None:
+    client = _client(server)
+    ids = httpx.post(
+        server.base_url + "/tokenize", json={"prompt": "Hello"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()["tokens"]  # fmt: skip
+    by_text = _greedy_completion(client, "Hello", max_tokens=5)
+    by_ids = _greedy_completion(client, ids, max_tokens=5)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    back = httpx.post(
+        server.base_url + "/detokenize", json={"tokens": ids[1:]},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    ).json()  # fmt: skip
+    assert back == {"prompt": "Hello"}
+
+
+def test_chat_logprobs(server: ServerProcess) -> None:
+    out = _client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hey"}], max_tokens=4, temperature=0,
+        logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    content = out.choices[0].logprobs.content
+    assert len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_32_concurrent_streams_match_solo(server: ServerProcess) -> None:
+    prompts = [f"Prompt {i} says" for i in range(32)]
+    client = _client(server)
+    solo = [_greedy_completion(client, p, max_tokens=8).choices[0].text for p in prompts]
+
+    async def run_all() -> list[str]:
+        aclient = openai.AsyncOpenAI(
+            api_key=API_KEY, base_url=server.base_url + "/v1", max_retries=0, timeout=60
+        )
+
+        async def one(p: str) -> str:
+            stream = await aclient.completions.create(
+                model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(run_all()) == solo
+
+
+@pytest.mark.slow
+def test_bundled_model_chat(tmp_path) -> None:
+    from tests.server.tiny_server import serve
+
+    for srv in serve(["--kv-cache-bytes", str(64 << 20), "--max-model-len", "512"]):
+        client = openai.OpenAI(
+            api_key="none", base_url=srv.base_url + "/v1", max_retries=0, timeout=120
+        )
+        out = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16, temperature=0,
+        )  # fmt: skip
+        assert "Paris" in out.choices[0].message.content

@@ -1,0 +1,152 @@
+"""`tidal serve`: load the config (YAML < env < CLI), build the engine, warm up, serve the OpenAI API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+from tidal.config.engine import TidalConfig
+from tidal.config.loader import add_cli_arguments, cli_overrides_from_args, dump_config, load_config
+
+log = logging.getLogger("tidal.serve")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register `serve` on the `tidal` command's subparsers."""
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /tokenize, /metrics, /health, /ready).",
+    )
+    _add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_cli_arguments(parser)
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the effective configuration as YAML (API keys masked) and exit",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the config; print it with --print-config, else serve until SIGINT/SIGTERM. Exit code."""
+    try:
+        cfg = load_config(args.config, os.environ, cli_overrides_from_args(args))
+    except (ValueError, OSError) as e:
+        print(f"tidal serve: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        sys.stdout.write(dump_config(cfg))
+        return 0
+    logging.basicConfig(
+        level=getattr(logging, str(getattr(args, "log_level", "info")).upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return serve(cfg)
+    except ValueError as e:  # a config that only the loaded model can find wrong
+        print(f"tidal serve: {e}", file=sys.stderr)
+        return 2
+
+
+def serve(cfg: TidalConfig) -> int:
+    import uvicorn
+
+    from tidal.engine.async_engine import AsyncEngine
+    from tidal.engine.builder import build_engine
+    from tidal.server.app import build_app
+    from tidal.server.inputs import PromptLimits
+    from tidal.server.metrics import ServerMetrics
+    from tidal.server.state import ServerState
+
+    # Bind first: a taken port fails before minutes of model loading, and port 0 is resolved.
+    sock = _bind(cfg.server.host, cfg.server.port)
+    metrics = ServerMetrics()
+    core = build_engine(cfg.engine, on_step=metrics.on_step, progress=log.info)
+    metrics.model_load.set(core.loaded.load_time_s)
+    if core.loaded.device.type == "cuda":
+        import torch
+
+        metrics._device_memory_bytes = torch.cuda.get_device_properties(
+            core.loaded.device
+        ).total_memory
+    engine = AsyncEngine(core)
+    model_root = str(core.loaded.path)
+    state = ServerState(
+        engine=engine,
+        config=cfg,
+        metrics=metrics,
+        served_name=cfg.engine.model.served_name(Path(model_root).stem),
+        model_root=model_root,
+        limits=PromptLimits.of(cfg.engine.limits, core.max_model_len, core.loaded.arch.vocab_size),
+    )
+    app = build_app(state)
+    uv_config = uvicorn.Config(
+        app,
+        loop="auto",  # uvloop when installed
+        http="auto",  # httptools when installed
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=max(1, int(cfg.server.drain_timeout_s)),
+    )
+    server = _make_server_class()(uv_config, state)
+    host, port = sock.getsockname()[:2]
+    # Tests and scripts read the port from this line (--port 0 picks a free one).
+    print(f"tidal: serving {state.served_name!r} listening on http://{host}:{port}", flush=True)
+    server.run(sockets=[sock])
+    return 0
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"server.port={port} is invalid: cannot listen on {host}:{port} ({e})"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _make_server_class():
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        """uvicorn's server, marking the app as draining (/ready 503) as soon as a signal arrives."""
+
+        def __init__(self, config: uvicorn.Config, state) -> None:
+            super().__init__(config)
+            self.tidal_state = state
+
+        def handle_exit(self, sig, frame) -> None:  # type: ignore[no-untyped-def]
+            self.tidal_state.draining = True
+            super().handle_exit(sig, frame)
+
+    return _Server
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tidal.cli_serve ...`: the serve command without the `tidal` front end."""
+    parser = argparse.ArgumentParser(prog="tidal serve")
+    _add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

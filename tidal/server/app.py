@@ -1,0 +1,185 @@
+"""The FastAPI app: OpenAI routes, tokenize, health/ready, metrics, error bodies, and the engine's lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tidal.engine.sampling_params import SamplingParams
+from tidal.server.errors import APIError, bad_request, internal_error, not_found, not_ready
+from tidal.server.generation import ClientGone
+from tidal.server.guards import check_auth, check_model, read_body
+from tidal.server.metrics import CONTENT_TYPE
+from tidal.server.protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    parse_request,
+    parse_tokenize_request,
+)
+from tidal.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
+from tidal.server.routes_chat import create_chat_completion
+from tidal.server.routes_completions import create_completion
+from tidal.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+# Rejections counted in tidal:request_rejected_total: statuses that mean "not served".
+_REJECTED_STATUSES = (400, 401, 404, 413, 429, 503)
+_WARMUP_PROMPT = "Hello"
+
+
+async def warm_up(state: ServerState) -> None:
+    """Run two short concurrent greedy requests (a batch of prefills, then decodes) before /ready."""
+    tok = state.tokenizer
+    ids = tok.encode(_WARMUP_PROMPT)[: max(1, state.limits.max_input_tokens)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+
+    async def one(i: int) -> None:
+        async for _ in state.engine.generate(ids, params, f"warmup-{i}"):
+            pass
+
+    await asyncio.gather(one(0), one(1))
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The app for one served model; the engine thread starts and stops with the app's lifespan."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        warm_task = asyncio.create_task(_warm(state))
+        try:
+            yield
+        finally:
+            state.draining = True
+            warm_task.cancel()
+            await state.engine.shutdown()
+
+    app = FastAPI(title="tidal", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.tidal = state
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        if exc.status in _REJECTED_STATUSES:
+            state.metrics.rejected.labels(reason=exc.code or str(exc.status)).inc()
+        return Response(exc.body(), exc.status, exc.headers, media_type="application/json")
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException) -> Response:
+        err = (
+            not_found(request.url.path)
+            if exc.status_code == 404
+            else APIError(exc.status_code, str(exc.detail))
+        )
+        return Response(err.body(), err.status, media_type="application/json")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        err = internal_error()
+        return Response(err.body(), err.status, media_type="application/json")
+
+    app.add_api_route("/v1/completions", create_completion, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        check_auth(request, state)
+        card = ModelCard(
+            id=state.served_name, root=state.model_root, max_model_len=state.limits.max_model_len
+        )
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        check_auth(request, state)
+        req = parse_tokenize_request(await read_body(request, state))
+        check_model(req.model, state)
+        tok = state.tokenizer
+        if isinstance(req, TokenizeChatRequest):
+            messages = [
+                {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in req.messages
+            ]
+            try:
+                text = tok.apply_chat_template(
+                    messages,
+                    add_generation_prompt=bool(req.add_generation_prompt),
+                    **(req.chat_template_kwargs or {}),
+                )
+            except Exception as e:
+                raise bad_request(f"Invalid value for 'messages': {e}", "messages") from None
+        else:
+            text = req.prompt
+        ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+        strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        body = TokenizeResponse(
+            count=len(ids), max_model_len=state.limits.max_model_len, tokens=ids, token_strs=strs
+        )
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        check_auth(request, state)
+        req = parse_request(DetokenizeRequest, await read_body(request, state))
+        check_model(req.model, state)
+        bad = next((t for t in req.tokens if t >= state.limits.vocab_size), None)
+        if bad is not None:
+            raise bad_request(
+                f"Invalid value for 'tokens': token id {bad} is outside the vocabulary "
+                f"(expected ids in [0, {state.limits.vocab_size}))",
+                "tokens",
+                "invalid_value",
+            )
+        text = state.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        return Response(
+            DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json"
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.alive:
+            return JSONResponse({"status": "engine down"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        if state.draining:
+            err = not_ready("The server is shutting down")
+        elif not state.warm:
+            err = not_ready("The model is warming up")
+        elif not state.engine.alive:
+            err = not_ready("The engine is down")
+        else:
+            return JSONResponse({"status": "ready"})
+        return Response(err.body(), err.status, err.headers, media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _warm(state: ServerState) -> None:
+    try:
+        if state.config.server.warmup:
+            await warm_up(state)
+        state.warm = True
+        state.engine.ready = True
+        log.info("warm-up done")
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("warm-up failed; /ready stays 503")

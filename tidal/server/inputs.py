@@ -1,0 +1,133 @@
+"""Prompt inputs: text, token ids or chat messages -> token ids within the server's length limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config.limits import LimitsConfig
+from tidal.engine.sampling_params import SamplingParams
+from tidal.server.errors import bad_request
+from tidal.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+
+@dataclass(slots=True)
+class PromptInput:
+    token_ids: list[int]
+    text: str | None  # the prompt as given, for echo; None when it came as token ids
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    max_model_len: int
+    vocab_size: int
+    max_input_tokens: int  # the smaller of limits.max_input_tokens and max_model_len - 1
+    truncate_left: bool
+
+    @staticmethod
+    def of(limits: LimitsConfig, max_model_len: int, vocab_size: int) -> PromptLimits:
+        # At least one position must stay free for the first generated token.
+        cap = max_model_len - 1
+        if limits.max_input_tokens is not None:
+            cap = min(cap, limits.max_input_tokens)
+        return PromptLimits(max_model_len, vocab_size, cap, limits.truncation == "left")
+
+
+def _too_long(num_tokens: int, limits: PromptLimits, param: str) -> Exception:
+    return bad_request(
+        f"The prompt has {num_tokens} tokens, more than the {limits.max_input_tokens} this server "
+        f"accepts (limits.max_input_tokens / a context of {limits.max_model_len} tokens).",
+        param,
+        "context_length_exceeded",
+    )
+
+
+def completion_inputs(req: CompletionRequest, tokenizer, limits: PromptLimits) -> list[PromptInput]:
+    """One input per prompt of a /v1/completions request; left-truncated or 400 when too long."""
+    out: list[PromptInput] = []
+    add_special = req.add_special_tokens is not False
+    for prompt in req.prompts():
+        if isinstance(prompt, str):
+            ids, text = tokenizer.encode(prompt, add_special_tokens=add_special), prompt
+        else:
+            ids, text = list(prompt), None
+            bad = next((t for t in ids if t >= limits.vocab_size), None)
+            if bad is not None:
+                raise bad_request(
+                    f"Invalid value for 'prompt': token id {bad} is outside the vocabulary "
+                    f"(expected ids in [0, {limits.vocab_size}))",
+                    "prompt",
+                    "invalid_value",
+                )
+        if not ids:
+            raise bad_request("The prompt is empty: expected at least one token.", "prompt")
+        if len(ids) > limits.max_input_tokens:
+            if not limits.truncate_left:
+                raise _too_long(len(ids), limits, "prompt")
+            keep = limits.max_input_tokens
+            bos = getattr(tokenizer, "bos_token_id", None)
+            # Keep BOS in front: the model was trained to see it first.
+            ids = [ids[0], *ids[len(ids) - keep + 1 :]] if ids[0] == bos else ids[-keep:]
+            text = None if text is None else tokenizer.decode(ids, skip_special_tokens=True)
+        out.append(PromptInput(ids, text))
+    return out
+
+
+def _message_dict(m: ChatMessage) -> dict[str, str]:
+    # OpenAI's "developer" role is the newer name of "system".
+    return {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+
+
+def _render(req: ChatCompletionRequest, tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    extra = dict(req.chat_template_kwargs or {})
+    cont = bool(req.continue_final_message)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=bool(req.add_generation_prompt) and not cont, **extra
+        )
+    except Exception as e:  # template errors (wrong roles, raise_exception) are the request's fault
+        raise bad_request(
+            f"Invalid value for 'messages': {e}", "messages", "invalid_value"
+        ) from None
+    if cont and messages and messages[-1]["role"] == "assistant":
+        # Continue the last assistant message: cut the template's end-of-turn after its content.
+        last = messages[-1]["content"]
+        end = text.rfind(last)
+        if end >= 0:
+            text = text[: end + len(last)]
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_input(req: ChatCompletionRequest, tokenizer, limits: PromptLimits) -> PromptInput:
+    """The rendered conversation; with truncation=left the oldest turns after the system message go first."""
+    messages = [_message_dict(m) for m in req.messages]
+    ids = _render(req, tokenizer, messages)
+    while len(ids) > limits.max_input_tokens and limits.truncate_left:
+        head = 1 if messages[0]["role"] == "system" else 0
+        rest = messages[head:]
+        if len(rest) <= 1:
+            break
+        rest = rest[1:]
+        while len(rest) > 1 and rest[0]["role"] != "user":
+            rest = rest[1:]  # a conversation restarts at a user turn (Gemma requires it)
+        messages = messages[:head] + rest
+        ids = _render(req, tokenizer, messages)
+    if len(ids) > limits.max_input_tokens:
+        raise _too_long(len(ids), limits, "messages")
+    return PromptInput(ids, None)
+
+
+def check_max_tokens(
+    params: SamplingParams, num_prompt_tokens: int, limits: PromptLimits, param: str
+) -> None:
+    """400 when prompt + max_tokens cannot fit the context (None runs up to the context limit)."""
+    if params.max_tokens is None:
+        return
+    total = num_prompt_tokens + params.max_tokens
+    if total > limits.max_model_len:
+        raise bad_request(
+            f"This model's maximum context length is {limits.max_model_len} tokens. However, you "
+            f"requested {total} tokens ({num_prompt_tokens} in the prompt, {params.max_tokens} in "
+            f"the completion). Reduce {param} or the prompt.",
+            param,
+            "context_length_exceeded",
+        )

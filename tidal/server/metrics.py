@@ -1,0 +1,134 @@
+"""ServerMetrics: the Prometheus metrics of one server, in its own registry, fed by step stats and request outputs."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tidal.engine.output import RequestOutput
+from tidal.engine.stats import StepStats
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS_S = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0,
+)  # fmt: skip
+_ITL_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 1.6, 5.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+class ServerMetrics:
+    """All `tidal:*` metrics. `on_step` runs on the engine thread (prometheus_client is
+    thread-safe); request metrics are observed by a `RequestTracker` per served request."""
+
+    def __init__(self, device_memory_bytes: int | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("tidal:time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
+        self.itl = Histogram("tidal:inter_token_latency_seconds", "Gap between output tokens.", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
+        self.e2e = Histogram("tidal:e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
+        self.queue_time = Histogram("tidal:request_queue_time_seconds", "Arrival to first scheduled.", buckets=_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
+        self.running = Gauge("tidal:num_requests_running", "Sequences running in the engine.", registry=r)  # fmt: skip
+        self.waiting = Gauge("tidal:num_requests_waiting", "Sequences waiting in the queue.", registry=r)  # fmt: skip
+        self.kv_usage = Gauge("tidal:kv_cache_usage_ratio", "Fraction of KV blocks held by requests.", registry=r)  # fmt: skip
+        # Counter names drop the _total suffix: prometheus_client appends it.
+        self.prefix_queries = Counter("tidal:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)  # fmt: skip
+        self.prefix_hits = Counter("tidal:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)  # fmt: skip
+        self.preemptions = Counter("tidal:num_preemptions", "Sequences preempted.", registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("tidal:prompt_tokens", "Prompt tokens of served requests.", registry=r)  # fmt: skip
+        self.generation_tokens = Counter("tidal:generation_tokens", "Tokens generated.", registry=r)  # fmt: skip
+        self.success = Counter("tidal:request_success", "Requests finished, by reason.", ["finished_reason"], registry=r)  # fmt: skip
+        self.rejected = Counter("tidal:request_rejected", "Requests refused before or by the engine, by reason.", ["reason"], registry=r)  # fmt: skip
+        self.batch_utilization = Histogram("tidal:batch_utilization", "Scheduled tokens / token budget per step.", buckets=_RATIO_BUCKETS, registry=r)  # fmt: skip
+        self.iteration_tokens = Histogram("tidal:iteration_tokens", "Tokens scheduled per step.", buckets=_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.step_duration = Histogram("tidal:step_duration_seconds", "Wall time of one engine step.", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
+        self.process_memory = Gauge("tidal:process_memory_bytes", "Resident memory of the server process.", registry=r)  # fmt: skip
+        self.memory_fraction = Gauge("tidal:memory_fraction", "Used / total memory of the serving device (RAM on CPU).", registry=r)  # fmt: skip
+        self.model_load = Gauge("tidal:model_load_seconds", "Time to load the model.", registry=r)  # fmt: skip
+        self._process = psutil.Process(os.getpid())
+        self._device_memory_bytes = device_memory_bytes
+        self.process_memory.set_function(lambda: float(self._process.memory_info().rss))
+        self.memory_fraction.set_function(self._memory_fraction)
+
+    def _memory_fraction(self) -> float:
+        try:
+            import torch
+
+            if self._device_memory_bytes and torch.cuda.is_available():
+                return torch.cuda.memory_reserved() / self._device_memory_bytes
+        except Exception:  # a failing probe must not break /metrics
+            pass
+        vm = psutil.virtual_memory()
+        return (vm.total - vm.available) / vm.total
+
+    def on_step(self, stats: StepStats) -> None:
+        """The engine's on_step callback (engine thread)."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
+        if stats.prefix_queried_tokens:
+            self.prefix_queries.inc(stats.prefix_queried_tokens)
+        if stats.prefix_hit_tokens:
+            self.prefix_hits.inc(stats.prefix_hit_tokens)
+        if stats.num_preempted:
+            self.preemptions.inc(stats.num_preempted)
+        if stats.num_scheduled_tokens:  # idle bookkeeping steps would skew the histograms
+            self.batch_utilization.observe(stats.batch_utilization)
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+            self.step_duration.observe(stats.step_time_s)
+
+    def track(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Per served engine request: observes latencies from each delta output's engine timestamps."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+        self._last_token_time_s: float | None = None
+        self._seen_first = False
+        self._counted_prompt = False
+
+    def update(self, out: RequestOutput) -> None:
+        m = self.m
+        num_new = sum(len(c.token_ids) for c in out.outputs)
+        if num_new:
+            m.generation_tokens.inc(num_new)
+        t = out.metrics
+        if t is None:
+            return
+        if not self._counted_prompt:
+            self._counted_prompt = True
+            m.prompt_tokens.inc(t.num_prompt_tokens)
+        if not self._seen_first and t.first_token_time_s is not None:
+            self._seen_first = True
+            m.ttft.observe(max(0.0, t.first_token_time_s - t.arrival_time_s))
+            if t.first_scheduled_time_s is not None:
+                m.queue_time.observe(max(0.0, t.first_scheduled_time_s - t.arrival_time_s))
+        elif num_new and t.last_token_time_s is not None and self._last_token_time_s is not None:
+            # One step usually brings one token per choice: the gap is one inter-token latency.
+            m.itl.observe(max(0.0, t.last_token_time_s - self._last_token_time_s))
+        if t.last_token_time_s is not None:
+            self._last_token_time_s = t.last_token_time_s
+        if out.finished and t.finished_time_s is not None:
+            m.e2e.observe(max(0.0, t.finished_time_s - t.arrival_time_s))
+
+    def finish(self, reason: str) -> None:
+        self.m.success.labels(finished_reason=reason).inc()

@@ -1,0 +1,149 @@
+"""POST /v1/chat/completions: chat-templated generation, streamed as SSE deltas or returned as one JSON body."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from tidal.server.errors import APIError
+from tidal.server.generation import (
+    ChoiceState,
+    GenerationJob,
+    UsageCounter,
+    collect,
+    effective_timeout_s,
+    finish_error,
+    until_disconnect,
+)
+from tidal.server.guards import check_auth, check_model, read_body, state_of
+from tidal.server.inputs import chat_input, check_max_tokens
+from tidal.server.logprobs import chat_logprobs
+from tidal.server.protocol import ChatCompletionRequest, parse_request
+from tidal.server.responses import (
+    ChatCompletionChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    DeltaMessage,
+    random_id,
+)
+from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_event, sse_event
+
+
+async def create_chat_completion(request: Request) -> Response:
+    state = state_of(request)
+    check_auth(request, state)
+    req = parse_request(ChatCompletionRequest, await read_body(request, state))
+    check_model(req.model, state)
+    params = req.to_sampling_params()
+    inp = chat_input(req, state.tokenizer, state.limits)
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    check_max_tokens(params, len(inp.token_ids), state.limits, param)
+    job = GenerationJob(
+        state,
+        random_id("chatcmpl"),
+        [inp],
+        params,
+        priority=req.priority or 0,
+        session_id=req.session_id,
+        timeout_s=effective_timeout_s(req.timeout_s, state.config.server.request_timeout_s),
+    )
+    num_top = params.logprobs  # None unless logprobs is true
+    if req.stream:
+        outs = job.outputs()
+        try:
+            first = await anext(outs)  # errors before any output (429, 400) keep their status
+        except BaseException:
+            await outs.aclose()
+            raise
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+        return StreamingResponse(
+            _stream(job, first, outs, num_top, req.include_usage, continuous),
+            media_type=SSE_MEDIA_TYPE,
+            headers=SSE_HEADERS,
+        )
+    choices, _, usage = await until_disconnect(request, collect(job))
+    tok = state.tokenizer
+    out_choices = [
+        ChatCompletionChoice(
+            index=idx,
+            message=ChatResponseMessage(content="".join(ch.text)),
+            logprobs=None
+            if num_top is None
+            else chat_logprobs(ch.token_ids, ch.logprobs, num_top, tok),
+            finish_reason=ch.finish_reason,
+        )
+        for idx, ch in sorted(choices.items())
+    ]
+    body = ChatCompletionResponse(
+        id=job.request_id, model=state.served_name, choices=out_choices, usage=usage.usage()
+    )
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _stream(
+    job: GenerationJob,
+    first: tuple,
+    rest: AsyncIterator,
+    num_top: int | None,
+    include_usage: bool,
+    continuous_usage: bool,
+) -> AsyncIterator[bytes]:
+    state = job.state
+    tok = state.tokenizer
+    head = {"id": job.request_id, "created": int(time.time()), "model": state.served_name}
+    choices: dict[int, ChoiceState] = {}
+    usage = UsageCounter()
+
+    def chunk(choice: ChatCompletionStreamChoice) -> bytes:
+        extra = {"usage": usage.usage()} if continuous_usage else {}
+        return sse_event(ChatCompletionStreamResponse(**head, choices=[choice], **extra))
+
+    async def all_outputs() -> AsyncIterator[tuple]:
+        yield first
+        async for item in rest:
+            yield item
+
+    try:
+        async for _, out in all_outputs():
+            usage.add(0, out)
+            for c in out.outputs:
+                ch = choices.setdefault(c.index, ChoiceState())
+                if ch.finish_reason is not None:
+                    continue  # a finished sibling repeats its finish while others run
+                err = finish_error(c.finish_reason, job.timeout_s, state, job.request_id)
+                if err is not None:
+                    raise err
+                if not ch.started:
+                    ch.started = True
+                    yield chunk(
+                        ChatCompletionStreamChoice(
+                            index=c.index, delta=DeltaMessage(role="assistant", content="")
+                        )
+                    )
+                ch.finish_reason = c.finish_reason
+                if not c.text and c.finish_reason is None and (num_top is None or not c.token_ids):
+                    continue  # nothing to show yet (text held back at a possible stop string)
+                lp = None
+                if num_top is not None and c.token_ids:
+                    lp = chat_logprobs(c.token_ids, c.logprobs or [], num_top, tok)
+                delta = DeltaMessage(content=c.text) if c.text else DeltaMessage()
+                yield chunk(
+                    ChatCompletionStreamChoice(
+                        index=c.index, delta=delta, logprobs=lp, finish_reason=c.finish_reason
+                    )
+                )
+        if include_usage:
+            yield sse_event(ChatCompletionStreamResponse(**head, choices=[], usage=usage.usage()))
+        yield SSE_DONE
+    except APIError as e:
+        yield sse_error_event(e)
+        yield SSE_DONE
+    finally:
+        with contextlib.suppress(Exception):
+            await rest.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,172 @@
+"""POST /v1/completions: legacy text completions, streamed as SSE or returned as one JSON body."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from tidal.server.errors import APIError
+from tidal.server.generation import (
+    ChoiceState,
+    GenerationJob,
+    UsageCounter,
+    collect,
+    effective_timeout_s,
+    finish_error,
+    until_disconnect,
+)
+from tidal.server.guards import check_auth, check_model, read_body, state_of
+from tidal.server.inputs import PromptInput, check_max_tokens, completion_inputs
+from tidal.server.logprobs import completion_logprobs
+from tidal.server.protocol import CompletionRequest, parse_request
+from tidal.server.responses import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionStreamResponse,
+    random_id,
+)
+from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_event, sse_event
+
+
+async def create_completion(request: Request) -> Response:
+    state = state_of(request)
+    check_auth(request, state)
+    req = parse_request(CompletionRequest, await read_body(request, state))
+    check_model(req.model, state)
+    params = req.to_sampling_params()
+    tok = state.tokenizer
+    inputs = completion_inputs(req, tok, state.limits)
+    for inp in inputs:
+        check_max_tokens(params, len(inp.token_ids), state.limits, "max_tokens")
+    job = GenerationJob(
+        state,
+        random_id("cmpl"),
+        inputs,
+        params,
+        priority=req.priority or 0,
+        session_id=req.session_id,
+        timeout_s=effective_timeout_s(req.timeout_s, state.config.server.request_timeout_s),
+    )
+    echo = bool(req.echo)
+    num_top = req.logprobs
+    if req.stream:
+        outs = job.outputs()
+        try:
+            first = await anext(outs)  # errors before any output (429, 400) keep their status
+        except BaseException:
+            await outs.aclose()
+            raise
+        return StreamingResponse(
+            _stream(job, first, outs, echo, num_top, req.include_usage),
+            media_type=SSE_MEDIA_TYPE,
+            headers=SSE_HEADERS,
+        )
+    choices, last, usage = await until_disconnect(request, collect(job))
+    out_choices = []
+    for idx in sorted(choices):
+        ch = choices[idx]
+        inp = inputs[idx // job.n]
+        text = "".join(ch.text)
+        lp = None
+        if echo:
+            prompt_text = _prompt_text(inp, tok)
+            text = prompt_text + text
+        if num_top is not None:
+            lp = CompletionLogProbs()
+            if echo:
+                completion_logprobs(
+                    inp.token_ids, last[idx // job.n].prompt_logprobs or [], num_top, tok, 0, lp
+                )
+            offset = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
+            completion_logprobs(ch.token_ids, ch.logprobs, num_top, tok, offset, lp)
+        out_choices.append(
+            CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=ch.finish_reason)
+        )
+    body = CompletionResponse(
+        id=job.request_id, model=state.served_name, choices=out_choices, usage=usage.usage()
+    )
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _prompt_text(inp: PromptInput, tok) -> str:
+    return (
+        inp.text if inp.text is not None else tok.decode(inp.token_ids, skip_special_tokens=False)
+    )
+
+
+async def _stream(
+    job: GenerationJob,
+    first: tuple,
+    rest: AsyncIterator,
+    echo: bool,
+    num_top: int | None,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    state = job.state
+    tok = state.tokenizer
+    created = int(time.time())
+    head = {"id": job.request_id, "created": created, "model": state.served_name}
+    choices: dict[int, ChoiceState] = {}
+    usage = UsageCounter()
+
+    async def all_outputs() -> AsyncIterator[tuple]:
+        yield first
+        async for item in rest:
+            yield item
+
+    try:
+        async for i, out in all_outputs():
+            usage.add(i, out)
+            for c in out.outputs:
+                idx = i * job.n + c.index
+                ch = choices.setdefault(idx, ChoiceState())
+                if ch.finish_reason is not None:
+                    continue  # a finished sibling repeats its finish while others run
+                err = finish_error(c.finish_reason, job.timeout_s, state, job.request_id)
+                if err is not None:
+                    raise err
+                text = c.text
+                lp = None if num_top is None else CompletionLogProbs()
+                if echo and not ch.started:
+                    inp = job.inputs[i]
+                    prompt_text = _prompt_text(inp, tok)
+                    text = prompt_text + text
+                    if lp is not None:
+                        completion_logprobs(
+                            inp.token_ids, out.prompt_logprobs or [], num_top or 0, tok, 0, lp
+                        )
+                        ch.text_offset = len(prompt_text)
+                ch.started = True
+                if lp is not None:
+                    completion_logprobs(
+                        c.token_ids, c.logprobs or [], num_top or 0, tok, ch.text_offset, lp
+                    )
+                    ch.text_offset += sum(
+                        len(t) for t in lp.tokens[len(lp.tokens) - len(c.token_ids) :]
+                    )
+                ch.finish_reason = c.finish_reason
+                if not text and not c.token_ids and c.finish_reason is None:
+                    continue
+                chunk = CompletionStreamResponse(
+                    **head,
+                    choices=[
+                        CompletionChoice(
+                            index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason
+                        )
+                    ],
+                )
+                yield sse_event(chunk)
+        if include_usage:
+            yield sse_event(CompletionStreamResponse(**head, choices=[], usage=usage.usage()))
+        yield SSE_DONE
+    except APIError as e:
+        yield sse_error_event(e)
+        yield SSE_DONE
+    finally:
+        with contextlib.suppress(Exception):
+            await rest.aclose()  # type: ignore[attr-defined]

@@ -1,0 +1,26 @@
+"""ServerState: what every route reads: the async engine, the effective config, metrics and readiness."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidal.config.engine import TidalConfig
+from tidal.engine.async_engine import AsyncEngine
+from tidal.server.inputs import PromptLimits
+from tidal.server.metrics import ServerMetrics
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    config: TidalConfig
+    metrics: ServerMetrics
+    served_name: str  # the model id clients must send (or omit)
+    model_root: str  # where the checkpoint was loaded from, shown in /v1/models
+    limits: PromptLimits
+    warm: bool = False  # warm-up done: /ready may answer 200
+    draining: bool = False  # shutting down: /ready answers 503, new requests get 503
+
+    @property
+    def tokenizer(self):  # tidal.loader.tokenizer.Tokenizer
+        return self.engine.core.tokenizer
