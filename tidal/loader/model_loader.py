@@ -96,12 +96,22 @@ def load_model(
     model.load_state_dict(state, strict=False, assign=True)
     if _tied(model):
         model.lm_head.weight = model.model.embed_tokens.weight
+    freq_factors = _gguf_rope_freqs(p) if not p.is_dir() else None
     for module in model.modules():  # non-persistent buffers are still on meta
         if isinstance(module, RotaryEmbedding):
-            layer_rope = module.rope
-            module.inv_freq = inv_frequencies(module.head_dim, layer_rope).to(device)
+            inv_freq = inv_frequencies(module.head_dim, module.rope)
+            if freq_factors is not None:
+                inv_freq = inv_freq / freq_factors  # llama.cpp's form of Llama 3.1 rope scaling
+            module.inv_freq = inv_freq.to(device)
     model.eval().requires_grad_(False)
     return LoadedModel(model, arch, p, dtype, device, time.perf_counter() - start)
+
+
+def _gguf_rope_freqs(path: Path) -> torch.Tensor | None:
+    from tidal.loader.gguf_file import GGUFFile
+
+    with GGUFFile(path) as f:
+        return f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
 
 
 def _tied(model: nn.Module) -> bool:
