@@ -1,0 +1,214 @@
+"""Error paths, disconnects, overload, deadlines and /metrics of a real `tidal serve` subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import API_KEY, MAX_BODY_BYTES, MAX_INPUT_TOKENS
+from tests.server.tiny_server import ServerProcess
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def _client(server: ServerProcess, key: str = API_KEY) -> openai.OpenAI:
+    return openai.OpenAI(api_key=key, base_url=server.base_url + "/v1", max_retries=0, timeout=60)
+
+
+def _metrics(server: ServerProcess) -> dict[str, float]:
+    """Every sample as 'name{label=value,...}' -> value."""
+    text = httpx.get(server.base_url + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def _wait_metric(server: ServerProcess, name: str, value: float, timeout_s: float = 30) -> None:
+    """Poll /metrics until `name` equals `value` (state converges; no fixed sleep)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _metrics(server).get(name) == value:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{name} never became {value}: {_metrics(server).get(name)}")
+
+
+def _post(server: ServerProcess, path: str, **kw) -> httpx.Response:
+    return httpx.post(
+        server.base_url + path, headers={**AUTH, **kw.pop("headers", {})}, timeout=60, **kw
+    )
+
+
+def test_bad_json_and_wrong_type_are_400(server: ServerProcess) -> None:
+    r = _post(
+        server,
+        "/v1/completions",
+        content=b'{"prompt": "x",',
+        headers={"content-type": "application/json"},
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    with pytest.raises(openai.BadRequestError) as e:
+        _client(server).completions.create(
+            model="tiny", prompt="x", extra_body={"temperature": "hot"}
+        )
+    assert e.value.param == "temperature"
+
+
+def test_unknown_model_is_404(server: ServerProcess) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        _client(server).chat.completions.create(
+            model="gpt-9", messages=[{"role": "user", "content": "x"}]
+        )
+    assert e.value.code == "model_not_found"
+
+
+def test_prompt_over_limit_and_max_tokens_past_context_are_400(server: ServerProcess) -> None:
+    client = _client(server)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="a" * MAX_INPUT_TOKENS, max_tokens=1)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="a", max_tokens=256)  # context is 256
+    assert e.value.param == "max_tokens"
+    ok = client.completions.create(model="tiny", prompt="a" * (MAX_INPUT_TOKENS - 1), max_tokens=1)
+    assert ok.usage.prompt_tokens == MAX_INPUT_TOKENS
+
+
+def test_wrong_or_missing_key_is_401(server: ServerProcess) -> None:
+    with pytest.raises(openai.AuthenticationError):
+        _client(server, key="sk-wrong").models.list()
+    assert httpx.post(server.base_url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(server.base_url + "/health").status_code == 200  # probes need no key
+
+
+def test_body_over_limit_is_413(server: ServerProcess) -> None:
+    r = _post(server, "/v1/completions", json={"prompt": "x" * MAX_BODY_BYTES})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_deadline_is_504_and_sse_error(server: ServerProcess) -> None:
+    client = _client(server)
+    kw = dict(
+        model="tiny",
+        prompt="slow",
+        max_tokens=200,
+        temperature=0,
+        extra_body={"ignore_eos": True, "timeout_s": 0.001},
+    )
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(**kw)
+    assert e.value.status_code == 504
+    with pytest.raises(openai.APIError) as e2:
+        list(client.completions.create(**kw, stream=True))
+    assert "deadline" in str(e2.value)
+
+
+def test_disconnects_free_the_kv_cache(server: ServerProcess) -> None:
+    body = {"model": "tiny", "prompt": "Long story", "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.base_url + "/v1/completions", json=body, headers=AUTH) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert _metrics(server)["tidal:num_requests_running"] == 1
+        # Leaving the block closes the connection mid-stream.
+    _wait_metric(server, "tidal:num_requests_running", 0)
+    _wait_metric(server, "tidal:kv_cache_usage_ratio", 0.0)
+    before = _metrics(server).get("tidal:request_success_total{finished_reason=abort}", 0)
+    assert before >= 1
+    # Non-streaming: the client gives up (read timeout) while the request runs.
+    body.update(stream=False, max_tokens=255 - 11)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json=body, headers=AUTH, timeout=0.3)
+    _wait_metric(server, "tidal:request_success_total{finished_reason=abort}", before + 1)
+    _wait_metric(server, "tidal:kv_cache_usage_ratio", 0.0)
+
+
+def test_metrics_move_after_traffic(server: ServerProcess) -> None:
+    before = _metrics(server)
+    _client(server).completions.create(
+        model="tiny",
+        prompt="count me",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = _metrics(server)
+    assert after["tidal:generation_tokens_total"] - before["tidal:generation_tokens_total"] == 5
+    assert after["tidal:prompt_tokens_total"] - before["tidal:prompt_tokens_total"] == 9
+    for name in ("tidal:time_to_first_token_seconds_count", "tidal:e2e_request_latency_seconds_count",
+                 "tidal:request_queue_time_seconds_count", "tidal:step_duration_seconds_count",
+                 "tidal:iteration_tokens_count", "tidal:batch_utilization_count"):  # fmt: skip
+        assert after[name] > before[name], name
+    assert (
+        after["tidal:inter_token_latency_seconds_count"]
+        - before["tidal:inter_token_latency_seconds_count"]
+        == 4
+    )
+    assert after["tidal:request_success_total{finished_reason=length}"] >= 1
+    assert after["tidal:prefix_cache_queries_total"] > before["tidal:prefix_cache_queries_total"]
+    assert after["tidal:process_memory_bytes"] > 0 and after["tidal:model_load_seconds"] > 0
+    assert 0 < after["tidal:memory_fraction"] <= 1
+
+
+def test_queue_full_is_429(narrow_server: ServerProcess) -> None:
+    """One running seat and one waiting seat: of 6 simultaneous 200-token requests, the ones that
+    arrive while the waiting seat is taken get 429 with Retry-After; the others complete in full."""
+    srv = narrow_server
+
+    async def run_all() -> list[object]:
+        client = openai.AsyncOpenAI(
+            api_key="none", base_url=srv.base_url + "/v1", max_retries=0, timeout=60
+        )
+        try:
+            return await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=None,
+                        prompt=f"Busy {i}",
+                        max_tokens=200,
+                        temperature=0,  # type: ignore[arg-type]
+                        extra_body={"ignore_eos": True},
+                    )  # fmt: skip
+                    for i in range(6)
+                ),
+                return_exceptions=True,
+            )
+        finally:
+            await client.close()
+
+    results = asyncio.run(run_all())
+    rejected = [r for r in results if isinstance(r, openai.RateLimitError)]
+    served = [r for r in results if not isinstance(r, BaseException)]
+    assert len(rejected) + len(served) == 6, results
+    # Arrivals before the first step all wait, so possibly only one is served.
+    assert len(rejected) >= 1 and len(served) >= 1
+    assert all(r.response.headers["retry-after"] == "1" for r in rejected)
+    assert all(r.usage.completion_tokens == 200 for r in served)
+    assert _metrics(srv)["tidal:request_rejected_total{reason=queue_full}"] == len(rejected)
+
+
+def test_print_config_exits_0() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "tidal.cli_serve", "--print-config", "--port", "9", "--api-key", "sk-secret"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "port: 9" in out.stdout and "sk-secret" not in out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "tidal.cli_serve", "--port", "70000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode != 0 and "port" in bad.stderr
