@@ -1,6 +1,6 @@
 """Reference logits and greedy tokens for the bundled GGUF, computed by HF transformers.
 
-Run ``python -m tests.models.reference_gguf`` to rewrite the fixture (about 3-4 minutes on 2
+Run ``python -m tests.models.reference_gguf`` to rewrite the fixture (3-8 minutes on 2
 cores, most of it transformers dequantizing the GGUF and converting its tokenizer), or
 ``python -m tests.models.reference_gguf --bench`` to print transformers' load time, float32
 prefill/decode tokens/s and peak RSS instead.
