@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +113,7 @@ class EngineCore:
         Raises ValueError for input the engine can never serve (empty or over-long prompt)."""
         if request_id in self._parents:
             raise ValueError(f"request_id={request_id!r} is invalid: it is already in use")
+        prompt_token_ids = _token_ids(prompt_token_ids, self.loaded.arch.vocab_size)
         if not prompt_token_ids:
             raise ValueError("prompt is empty: expected at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -119,9 +121,6 @@ class EngineCore:
                 f"prompt has {len(prompt_token_ids)} tokens: expected fewer than the context "
                 f"length {self.max_model_len}"
             )
-        vocab = self.loaded.arch.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
         now = self.clock()
         parent = _Parent(request_id, prompt, delta)
         accepted = True
@@ -253,6 +252,31 @@ class EngineCore:
         for child in parent.children:
             self._child_parent.pop(child.request.request_id, None)
             self.runner.release(child.request.request_id)
+
+
+def _token_ids(token_ids: Sequence[object], vocab_size: int) -> list[int]:
+    """Plain ints in [0, vocab_size), or ValueError naming the first bad entry.
+
+    NOTE: numpy integers are accepted and turned into ints (block hashes must not depend on the
+    integer type); bools, floats and strings are rejected rather than silently coerced.
+    """
+    if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+        raise ValueError(
+            f"prompt_token_ids={token_ids!r:.60} is invalid: expected a list of token ids"
+        )
+    out: list[int] = []
+    for i, t in enumerate(token_ids):
+        try:
+            value = operator.index(t)  # type: ignore[arg-type]
+        except TypeError:
+            value = None
+        if value is None or isinstance(t, bool) or not 0 <= value < vocab_size:
+            raise ValueError(
+                f"prompt token id {t!r} at position {i} is invalid: expected an integer in "
+                f"[0, {vocab_size})"
+            )
+        out.append(value)
+    return out
 
 
 def _replace(params: SamplingParams, **changes: object) -> SamplingParams:
