@@ -1,0 +1,1 @@
+"""Benchmarks: seeded workloads, baselines and the offline throughput comparison."""
