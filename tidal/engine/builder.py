@@ -59,6 +59,14 @@ def build_engine(
     path = model_path(config)
     if progress:
         progress(f"loading {path} ({dtype}, {device})")
-    loaded = load_model(path, dtype, device)
-    tokenizer = load_tokenizer(path, loaded.arch.family)
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tidal.loader.model_loader import read_arch
+
+    family = read_arch(path)[0].family
+    # The tokenizer (Rust, off the GIL) loads while torch dequantizes the weights.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        tokenizer_future = pool.submit(load_tokenizer, path, family)
+        loaded = load_model(path, dtype, device)
+        tokenizer = tokenizer_future.result()
     return EngineCore(config, loaded, tokenizer, clock=clock, on_step=on_step)
