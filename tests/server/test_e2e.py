@@ -181,16 +181,24 @@ def test_32_concurrent_streams_match_solo(server: ServerProcess) -> None:
 
 
 @pytest.mark.slow
-def test_bundled_model_chat(tmp_path) -> None:
+def test_bundled_model_matches_offline_llm() -> None:
+    """The bundled Gemma 3 270M served over HTTP gives what `tidal.LLM` gives offline (greedy)."""
     from tests.server.tiny_server import serve
 
     for srv in serve(["--kv-cache-bytes", str(64 << 20), "--max-model-len", "512"]):
         client = openai.OpenAI(
             api_key="none", base_url=srv.base_url + "/v1", max_retries=0, timeout=120
         )
-        out = client.chat.completions.create(
-            model=client.models.list().data[0].id,
+        model = client.models.list().data[0].id
+        out = client.completions.create(
+            model=model, prompt="The capital of France is", max_tokens=8, temperature=0
+        )
+        # Measured with tidal.LLM().generate(...) on the same file and settings.
+        assert out.choices[0].text == " the capital of the country of France."
+        chat = client.chat.completions.create(
+            model=model,
             messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=16, temperature=0,
-        )  # fmt: skip
-        assert "Paris" in out.choices[0].message.content
+            max_tokens=16,
+            temperature=0,
+        )
+        assert chat.usage.prompt_tokens == 16 and chat.choices[0].message.content
