@@ -208,8 +208,7 @@ class EngineCore:
                 continue
             state = self._state(parent, req.request_id)
             prompt_lp = result.prompt_logprobs.get(req.request_id)
-            if prompt_lp:
-                state.add_prompt_logprobs([self._logprob_entry(lp) for _, lp in prompt_lp])
+            if prompt_lp and self._add_prompt_logprobs(state, prompt_lp):
                 touched[parent.request_id] = parent
             token = result.sampled.get(req.request_id)
             if token is None or req.is_finished:
@@ -224,6 +223,29 @@ class EngineCore:
                 self.scheduler.finish_requests([req.request_id], delta.finish)
                 req.status = delta.finish
                 self.runner.release(req.request_id)
+
+    def _add_prompt_logprobs(
+        self, state: OutputState, entries: list[tuple[int, TokenLogprobs]]
+    ) -> bool:
+        """Record prompt logprobs by position; True if any position was new.
+
+        NOTE: a preempted request recomputes its prompt from position 0, so positions already
+        recorded come again and are dropped (appending them duplicated the list). A position
+        past the next expected one means earlier positions were never computed (a prefix-cache
+        hit skipped them): those stay None so every entry remains at its own index.
+        """
+        if state.prompt_logprobs is None:
+            return False
+        next_position = len(state.prompt_logprobs)  # entry 0 (the first token) is None
+        new: list = []
+        for position, lp in entries:
+            if position < next_position:
+                continue
+            new.extend([None] * (position - next_position))
+            new.append(self._logprob_entry(lp))
+            next_position = position + 1
+        state.add_prompt_logprobs(new)
+        return bool(new)
 
     def _logprob_entry(self, lp: TokenLogprobs) -> dict:
         return make_logprobs(
