@@ -110,9 +110,17 @@ class EngineCore:
     ) -> bool:
         """Queue a request; False when the waiting queue is full (it is then finished "rejected").
 
-        Raises ValueError for input the engine can never serve (empty or over-long prompt)."""
+        Raises ValueError for input the engine can never serve (an empty or over-long prompt,
+        token ids outside the vocabulary, a timeout that is not a positive number)."""
         if request_id in self._parents:
             raise ValueError(f"request_id={request_id!r} is invalid: it is already in use")
+        for name, value in (("queue_timeout_s", queue_timeout_s), ("timeout_s", timeout_s)):
+            # `not > 0` also rejects NaN, which would never compare past a deadline.
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            if value is not None and not ok:
+                raise ValueError(
+                    f"{name}={value!r} is invalid: expected a positive number of seconds or None"
+                )
         prompt_token_ids = _token_ids(prompt_token_ids, self.loaded.arch.vocab_size)
         if not prompt_token_ids:
             raise ValueError("prompt is empty: expected at least one token")
