@@ -334,3 +334,28 @@ def test_duplicate_request_id_is_a_value_error(tiny_model_dir):
         engine.add_request("same", [1, 5, 6], SamplingParams(max_tokens=2))
     run_to_completion(engine)
     assert_pool_clean(engine.kv)
+
+
+def test_bad_timeouts_are_value_errors(tiny_model_dir):
+    engine = make_engine(tiny_model_dir)
+    for name in ("queue_timeout_s", "timeout_s"):
+        for bad in (0, -1.0, float("nan"), "5", True):
+            with pytest.raises(ValueError, match=name):
+                engine.add_request("t", [1, 5], SamplingParams(max_tokens=1), **{name: bad})
+    assert not engine.has_unfinished()
+
+
+def test_seeded_sampling_survives_preemption(tiny_model_dir):
+    """Recompute after preemption samples each token once, from the same per-request stream."""
+    plain = make_engine(tiny_model_dir, enable_prefix_caching=False)
+    # 33 blocks over 4 KV groups: the third request is preempted (more than once) while decoding.
+    tight = make_engine(tiny_model_dir, kv_cache_bytes=33 * plain.layout.page_bytes)
+    prompts = {f"r{i}": [1] + list(range(10 + 30 * i, 30 + 30 * i)) for i in range(3)}
+    for i, (rid, ids) in enumerate(prompts.items()):
+        tight.add_request(rid, ids, _sampled(i, 30))
+    outs = run_to_completion(tight)
+    assert outs["r2"].metrics.num_preemptions > 0
+    for i, (rid, ids) in enumerate(prompts.items()):
+        alone = _run_one(plain, rid, ids, _sampled(i, 30))
+        assert outs[rid].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert_pool_clean(tight.kv)
