@@ -49,3 +49,37 @@ def test_logits_and_greedy_match_transformers(bundled):
         print(f"{case['name']}: max |logit diff| over top-{FIXTURE['top_k']} = {worst:.2e}")
         assert worst < LOGIT_ATOL, case["name"]
         assert out == case["greedy_ids"], case["name"]
+
+
+def test_engine_batch_chunked_preempted_matches_transformers(bundled, bundled_gguf):
+    """16 concurrent requests of mixed lengths through the engine with chunked prefill, a KV pool
+    small enough to force preemption, and shared prefixes: the fixture prompts still produce
+    exactly transformers' greedy tokens (which it computed one sequence at a time)."""
+    from tests.kv.pool_check import assert_pool_clean
+    from tidal.config.cache import CacheConfig
+    from tidal.config.engine import EngineConfig
+    from tidal.config.scheduler import SchedulerConfig
+    from tidal.engine.core import EngineCore
+    from tidal.engine.sampling_params import SamplingParams
+
+    tok = load_tokenizer(bundled_gguf, "gemma3")
+    page = 2 * 3 * 16 * bundled.arch.num_kv_heads * bundled.arch.head_dim * 4
+    config = EngineConfig(
+        cache=CacheConfig(kv_cache_bytes=150 * page),
+        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+    )
+    engine = EngineCore(config, bundled, tok)
+    fixture = FIXTURE["prompts"]
+    fillers = [tok.encode("The tide " * (3 + 7 * i)) for i in range(16 - len(fixture))]
+    params = SamplingParams(temperature=0, max_tokens=FIXTURE["max_new_tokens"], ignore_eos=True)
+    for i, ids in enumerate([c["prompt_ids"] for c in fixture] + fillers):
+        engine.add_request(f"r{i}", ids, params)
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out.outputs[0].token_ids
+    for i, case in enumerate(fixture):
+        assert final[f"r{i}"] == case["greedy_ids"], case["name"]
+    assert engine.last_stats.num_preemptions_total > 0
+    assert_pool_clean(engine.kv)
