@@ -6,6 +6,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+
 from tests.kv.pool_check import FakeClock
 from tidal.engine.builder import build_engine
 from tidal.engine.core import EngineCore
@@ -40,3 +43,17 @@ def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> dict[str, 
             if out.finished:
                 final[out.request_id] = out
     raise AssertionError(f"engine still has unfinished requests after {max_steps} steps")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Run the tiny model on one thread, restored afterwards.
+
+    Its ops are far too small to gain from threads, and on a shared 2-core machine OpenMP
+    threads spinning against each other made a 40-step run 20x slower (27 s vs 1.4 s).
+    Import this fixture into a test module to apply it there.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

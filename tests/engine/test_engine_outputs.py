@@ -7,7 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.engine_util import make_engine, run_to_completion
+from tests.engine.engine_util import (
+    make_engine,
+    one_torch_thread,  # noqa: F401 (autouse fixture)
+    run_to_completion,
+)
 from tests.kv.pool_check import assert_pool_clean
 from tests.models.paged import PagedBatch
 from tidal.engine.core import EngineCore
@@ -202,11 +206,12 @@ def test_preempted_request_reports_each_prompt_logprob_once(tiny_model_dir):
     prompts = {f"r{i}": [1] + list(range(10 + 30 * i, 30 + 30 * i)) for i in range(3)}
     for rid, ids in prompts.items():
         tight.add_request(rid, ids, params)
+        plain.add_request(rid, ids, params)  # room for all three: never preempted
     outs = run_to_completion(tight)
+    refs = run_to_completion(plain)
     assert [outs[r].metrics.num_preemptions for r in prompts] == [0, 0, 1]
     for rid, ids in prompts.items():
-        ref = run_to_completion_one(plain, rid, ids, params)
-        got = outs[rid]
+        ref, got = refs[rid], outs[rid]
         assert got.outputs[0].token_ids == ref.outputs[0].token_ids
         assert got.prompt_logprobs is not None and ref.prompt_logprobs is not None
         assert len(got.prompt_logprobs) == len(ids)
