@@ -70,7 +70,7 @@ def test_engine_batch_chunked_preempted_matches_transformers(bundled, bundled_gg
     )
     engine = EngineCore(config, bundled, tok)
     fixture = FIXTURE["prompts"]
-    fillers = [tok.encode("The tide " * (3 + 7 * i)) for i in range(16 - len(fixture))]
+    fillers = [tok.encode("The tide " * (2 + 3 * i)) for i in range(16 - len(fixture))]
     params = SamplingParams(temperature=0, max_tokens=FIXTURE["max_new_tokens"], ignore_eos=True)
     for i, ids in enumerate([c["prompt_ids"] for c in fixture] + fillers):
         engine.add_request(f"r{i}", ids, params)
