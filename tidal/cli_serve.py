@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 def serve(cfg: TidalConfig) -> int:
     import uvicorn
 
-    from tidal.engine.async_engine import AsyncEngine
+    from tidal.engine.async_engine import AsyncEngine, EngineError
     from tidal.engine.builder import build_engine
     from tidal.server.app import build_app
     from tidal.server.inputs import PromptLimits
@@ -74,23 +74,32 @@ def serve(cfg: TidalConfig) -> int:
     # Bind first: a taken port fails before minutes of model loading, and port 0 is resolved.
     sock = _bind(cfg.server.host, cfg.server.port)
     metrics = ServerMetrics()
-    core = build_engine(cfg.engine, on_step=metrics.on_step, progress=log.info)
-    metrics.model_load.set(core.loaded.load_time_s)
-    if core.loaded.device.type == "cuda":
-        import torch
+    if cfg.server.engine_process:
+        try:
+            engine, model_root, max_model_len, vocab_size = _supervised_engine(cfg, metrics)
+        except EngineError as e:
+            print(f"tidal serve: the engine failed to start: {e}", file=sys.stderr)
+            return 1
+    else:
+        core = build_engine(cfg.engine, on_step=metrics.on_step, progress=log.info)
+        metrics.model_load.set(core.loaded.load_time_s)
+        if core.loaded.device.type == "cuda":
+            import torch
 
-        metrics._device_memory_bytes = torch.cuda.get_device_properties(
-            core.loaded.device
-        ).total_memory
-    engine = AsyncEngine(core)
-    model_root = str(core.loaded.path)
+            metrics._device_memory_bytes = torch.cuda.get_device_properties(
+                core.loaded.device
+            ).total_memory
+        engine = AsyncEngine(core)
+        metrics.engine_up.set(1)
+        model_root = str(core.loaded.path)
+        max_model_len, vocab_size = core.max_model_len, core.loaded.arch.vocab_size
     state = ServerState(
         engine=engine,
         config=cfg,
         metrics=metrics,
         served_name=cfg.engine.model.served_name(Path(model_root).stem),
         model_root=model_root,
-        limits=PromptLimits.of(cfg.engine.limits, core.max_model_len, core.loaded.arch.vocab_size),
+        limits=PromptLimits.of(cfg.engine.limits, max_model_len, vocab_size),
     )
     app = build_app(state)
     uv_config = uvicorn.Config(
@@ -102,11 +111,43 @@ def serve(cfg: TidalConfig) -> int:
         timeout_graceful_shutdown=max(1, int(cfg.server.drain_timeout_s)),
     )
     server = _make_server_class()(uv_config, state)
+    if cfg.server.engine_process:
+        # The restart budget is spent: stop serving and exit non-zero so a process manager sees it.
+        engine.on_fatal = lambda: setattr(server, "should_exit", True)
     host, port = sock.getsockname()[:2]
     # Tests and scripts read the port from this line (--port 0 picks a free one).
     print(f"tidal: serving {state.served_name!r} listening on http://{host}:{port}", flush=True)
     server.run(sockets=[sock])
+    fatal = getattr(engine, "fatal", None)
+    if fatal:
+        print(f"tidal serve: {fatal}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _supervised_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model root, len, vocab)
+    """Start the engine process (blocking until it is loaded) with the metrics hooked to it."""
+    from tidal.engine.client import EngineClient
+    from tidal.supervisor.restart_policy import RestartPolicy
+
+    server = cfg.server
+    engine = EngineClient(
+        cfg.engine,
+        policy=RestartPolicy(
+            max_restarts=server.engine_max_restarts, window_s=server.engine_restart_window_s
+        ),
+        watchdog_timeout_s=server.watchdog_timeout_s,
+        warmup_on_restart=server.warmup,
+        log_level=logging.getLogger().getEffectiveLevel(),
+    )
+    engine.on_step = metrics.on_step
+    engine.on_up = lambda up: metrics.engine_up.set(1 if up else 0)
+    engine.on_restart = metrics.engine_restarts.inc
+    engine.on_request_failed = lambda reason: metrics.requests_failed.labels(reason=reason).inc()
+    info = engine.launch()  # ValueError: a bad setting (exit 2); EngineError: a crash (exit 1)
+    metrics.model_load.set(info.load_time_s)
+    metrics._device_memory_bytes = info.device_memory_bytes
+    return engine, str(Path(engine.model_path)), info.max_model_len, info.vocab_size
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -21,6 +21,14 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     # Run one tiny request before /ready turns true (compiles kernels, touches the KV pool).
     warmup: bool = True
+    # Run the engine in its own supervised process (restarted when it dies or hangs); false runs
+    # it in a thread of the API process.
+    engine_process: bool = True
+    # The engine process counts as hung after this long without progress while it has work.
+    watchdog_timeout_s: float = 30.0
+    # More than this many engine restarts within engine_restart_window_s: the server exits 1.
+    engine_max_restarts: int = 5
+    engine_restart_window_s: float = 300.0
 
     def __post_init__(self) -> None:
         # A list from YAML or JSON becomes a tuple so the config stays hashable and immutable.
@@ -56,4 +64,22 @@ class ServerConfig:
             "drain_timeout_s",
             self.drain_timeout_s,
             "a number of seconds >= 0",
+        )
+        check(
+            self.watchdog_timeout_s > 0,
+            "watchdog_timeout_s",
+            self.watchdog_timeout_s,
+            "a positive number of seconds",
+        )
+        check(
+            self.engine_max_restarts >= 0,
+            "engine_max_restarts",
+            self.engine_max_restarts,
+            "an integer >= 0",
+        )
+        check(
+            self.engine_restart_window_s > 0,
+            "engine_restart_window_s",
+            self.engine_restart_window_s,
+            "a positive number of seconds",
         )

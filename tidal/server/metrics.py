@@ -58,6 +58,9 @@ class ServerMetrics:
         self.process_memory = Gauge("tidal:process_memory_bytes", "Resident memory of the server process.", registry=r)  # fmt: skip
         self.memory_fraction = Gauge("tidal:memory_fraction", "Used / total memory of the serving device (RAM on CPU).", registry=r)  # fmt: skip
         self.model_load = Gauge("tidal:model_load_seconds", "Time to load the model.", registry=r)  # fmt: skip
+        self.engine_restarts = Counter("tidal:engine_restarts", "Engine processes restarted after dying or hanging.", registry=r)  # fmt: skip
+        self.engine_up = Gauge("tidal:engine_up", "1 while the engine is running, 0 while it is down or restarting.", registry=r)  # fmt: skip
+        self.requests_failed = Counter("tidal:requests_failed", "Engine requests failed by an engine failure, by reason.", ["reason"], registry=r)  # fmt: skip
         self._process = psutil.Process(os.getpid())
         self._device_memory_bytes = device_memory_bytes
         self.process_memory.set_function(lambda: float(self._process.memory_info().rss))

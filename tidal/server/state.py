@@ -6,13 +6,14 @@ from dataclasses import dataclass
 
 from tidal.config.engine import TidalConfig
 from tidal.engine.async_engine import AsyncEngine
+from tidal.engine.client import EngineClient
 from tidal.server.inputs import PromptLimits
 from tidal.server.metrics import ServerMetrics
 
 
 @dataclass(slots=True)
 class ServerState:
-    engine: AsyncEngine
+    engine: AsyncEngine | EngineClient
     config: TidalConfig
     metrics: ServerMetrics
     served_name: str  # the model id clients must send (or omit)
@@ -23,4 +24,5 @@ class ServerState:
 
     @property
     def tokenizer(self):  # tidal.loader.tokenizer.Tokenizer
-        return self.engine.core.tokenizer
+        engine = self.engine
+        return engine.tokenizer if isinstance(engine, EngineClient) else engine.core.tokenizer
