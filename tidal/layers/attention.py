@@ -8,10 +8,11 @@ from torch import nn
 from tidal.attention.metadata import AttentionMetadata
 from tidal.attention.torch_paged import TorchPagedAttention
 from tidal.layers.norm import RMSNorm
-from tidal.layers.rotary import RotaryEmbedding, apply_rotary
+from tidal.layers.rotary import apply_rotary
 from tidal.models.arch import ArchConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (blocks, block_size, KVH, D)
+CosSin = tuple[torch.Tensor, torch.Tensor]  # (T, D) each, computed once per step per layer type
 
 
 class SelfAttention(nn.Module):
@@ -38,11 +39,11 @@ class SelfAttention(nn.Module):
         gemma = arch.family == "gemma3"
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
-        self.rotary = RotaryEmbedding(arch.head_dim, arch.rope[arch.layer_types[layer_id]])
+        self.layer_type = arch.layer_types[layer_id]
         self.backend = TorchPagedAttention()
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+        self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
@@ -50,7 +51,7 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = self.rotary(positions, q.dtype)
+        cos, sin = cos_sin
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(
             q,

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from tidal.attention.metadata import AttentionMetadata
-from tidal.layers.attention import KVCache, SelfAttention
+from tidal.layers.attention import CosSin, KVCache, SelfAttention
 from tidal.layers.norm import RMSNorm
+from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.arch import ArchConfig
 from tidal.models.llama import GatedMLP
 
@@ -24,9 +25,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(dim, eps, gemma=True)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+        self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
+        attn = self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache)
         x = x + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(mlp)
@@ -38,6 +39,10 @@ class Gemma3Model(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(arch, i, kv_groups[i]) for i in range(arch.num_layers)
+        )
+        # One rotary table per layer type (Gemma 3: local and global bases), shared by its layers.
+        self.rotary = nn.ModuleDict(
+            {t: RotaryEmbedding(arch.head_dim, arch.rope[t]) for t in sorted(set(arch.layer_types))}
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma=True)
 
@@ -63,8 +68,9 @@ class Gemma3ForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         # transformers rounds the scale to the weight dtype before multiplying; so do we.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        cos_sin = {t: rot(positions, x.dtype) for t, rot in self.model.rotary.items()}
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, meta, kv)
+            x = layer(x, cos_sin[layer.self_attn.layer_type], meta, kv)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ from torch import nn
 
 from tidal.attention.metadata import AttentionMetadata
 from tidal.layers.activation import activation
-from tidal.layers.attention import KVCache, SelfAttention
+from tidal.layers.attention import CosSin, KVCache, SelfAttention
 from tidal.layers.norm import RMSNorm
+from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.arch import ArchConfig
 
 
@@ -35,9 +36,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache
+        self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, kv_cache)
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -47,6 +48,10 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(arch, i, kv_groups[i]) for i in range(arch.num_layers)
+        )
+        # One rotary table per layer type (Gemma 3: local and global bases), shared by its layers.
+        self.rotary = nn.ModuleDict(
+            {t: RotaryEmbedding(arch.head_dim, arch.rope[t]) for t in sorted(set(arch.layer_types))}
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -73,8 +78,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states (T, hidden) after the final norm."""
         x = self.model.embed_tokens(input_ids)
+        cos_sin = {t: rot(positions, x.dtype) for t, rot in self.model.rotary.items()}
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, positions, meta, kv)
+            x = layer(x, cos_sin[layer.self_attn.layer_type], meta, kv)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
