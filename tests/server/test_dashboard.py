@@ -83,6 +83,7 @@ def exported_families() -> dict[str, Family]:
     metrics = ServerMetrics()
     metrics.track().finish("stop")  # what GenerationJob does when a request ends
     metrics.rejected.labels(reason="queue_full").inc()  # what app.py does for a 429
+    metrics.requests_failed.labels(reason="engine_died").inc()  # what cli_serve.py wires up
     text = metrics.render().decode()
     out: dict[str, Family] = {}
     for fam in text_string_to_metric_families(text):
