@@ -147,11 +147,6 @@ def test_echo_scoring_matches_the_model_logits(tiny_model_dir, budget):
     assert_pool_clean(engine.kv)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="scheduler/kv bug: a request with prompt_logprobs takes prefix-cache hits, so the hit "
-    "positions are never computed and have no logprobs (vLLM skips the cache lookup for them)",
-)
 def test_echo_scoring_after_the_prompt_was_cached(engine):
     """A cached prefix must not cost prompt logprobs: every position is still scored."""
     ids = engine.tokenizer.encode(TEXT + " A serving engine batches requests.")

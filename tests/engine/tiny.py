@@ -50,5 +50,10 @@ def make_tiny_model_dir(out_dir: Path, family: str = "gemma3", seed: int = 0) ->
     cfg = json.loads(cfg_path.read_text())
     cfg.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cfg_path.write_text(json.dumps(cfg))
+    gen_path = out_dir / "generation_config.json"
+    if gen_path.exists():
+        gen = json.loads(gen_path.read_text())
+        gen.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        gen_path.write_text(json.dumps(gen))
     write_tiny_tokenizer(out_dir)
     return out_dir

@@ -71,15 +71,20 @@ class LLM:
         per = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(items):
             raise ValueError(f"got {len(per)} sampling_params for {len(items)} prompts")
-        ids = []
-        for i, ((text, token_ids), p) in enumerate(zip(items, per)):
-            rid = f"llm-{next(self._ids)}"
-            ids.append(rid)
-            ok = self.engine.add_request(
-                rid, token_ids, p, prompt=text, priority=0 if priority is None else priority[i]
-            )
-            if not ok:
-                raise RuntimeError(f"request {i} was rejected: the waiting queue is full")
+        ids: list[str] = []
+        try:
+            for i, ((text, token_ids), p) in enumerate(zip(items, per)):
+                rid = f"llm-{next(self._ids)}"
+                ok = self.engine.add_request(
+                    rid, token_ids, p, prompt=text, priority=0 if priority is None else priority[i]
+                )
+                ids.append(rid)
+                if not ok:
+                    raise RuntimeError(f"request {i} was rejected: the waiting queue is full")
+        except BaseException:
+            for rid in ids:  # leave nothing queued behind a failed call
+                self.engine.abort(rid)
+            raise
         final: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():

@@ -114,6 +114,8 @@ class KVCacheManager:
         """Like get_computed_blocks without recording stats (for queue ordering estimates)."""
         if not self.config.enable_prefix_caching:
             return 0
+        if request.sampling_params.prompt_logprobs is not None:
+            return 0  # every prompt position must be computed to score it (echo + logprobs)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)[:max_blocks]
         return self._longest_hit(hashes) * self.block_size
