@@ -256,7 +256,7 @@ def _prefill_rate(llm, prompt_len: int, vocab: int) -> float:
 def run_decode(args: argparse.Namespace) -> dict[str, Any]:
     """gpt-fast's figures: decode tok/s and the GB/s of weights that implies (every parameter is
     read once per step; the tied embedding once, as the LM head), plus prefill tok/s."""
-    batches = (1, 8, 32)
+    batches = args.decode_batches
     # Prefix caching off: warm-up and measured runs repeat prompts, and every token must compute.
     llm = _build_llm(args, max(args.max_num_seqs, *batches), enable_prefix_caching=False)
     loaded = llm.engine.loaded
@@ -309,6 +309,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-tokens", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--decode-tokens", type=int, default=64, help="decode mode: tokens per run")
+    p.add_argument(
+        "--decode-batches",
+        type=_int_list,
+        default=(1, 8, 32),
+        help="decode mode: comma-separated numbers of sequences decoding together",
+    )
     p.add_argument("--prefill-len", type=int, default=512, help="decode mode: prefill prompt")
     p.add_argument("--json", type=Path, default=None, help="write the record here")
     args = p.parse_args(argv)
@@ -319,6 +325,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.decode_tokens < 2:
         p.error(f"--decode-tokens={args.decode_tokens} is invalid: expected an integer >= 2")
     return args
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected integers >= 1, comma-separated")
+    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
