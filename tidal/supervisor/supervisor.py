@@ -72,6 +72,7 @@ class Supervisor:
         self._task: asyncio.Task[None] | None = None
         self._trouble: asyncio.Event | None = None
         self._stopping = False
+        self._last_beat: Heartbeat | None = None
 
     @property
     def pid(self) -> int | None:
@@ -158,6 +159,7 @@ class Supervisor:
             loop.call_soon_threadsafe(self._on_lost, handle)
 
         self.watchdog.reset()
+        self._last_beat = None
         self.up = True
         trouble.clear()
         handle.start_io(on_message, on_lost)
@@ -169,7 +171,9 @@ class Supervisor:
             return  # a message from an engine already declared down
         if isinstance(msg, Heartbeat):
             self.watchdog.progress(msg.num_steps)
+            self._last_beat = msg
             return
+        self.watchdog.progress()  # any output or failure is progress
         self.watchdog.progress(getattr(msg, "num_steps", None))
         self.listener.engine_message(msg)
 
@@ -207,7 +211,15 @@ class Supervisor:
                 return "died", f"the engine process died ({exit_text(handle.exitcode)})"
             stalled_s = self.watchdog.stalled_s(self.listener.has_work())
             if stalled_s > self.watchdog.timeout_s:
-                return "hung", f"the engine made no progress for {stalled_s:.1f} s"
+                beat = self._last_beat
+                steps = (
+                    "no heartbeat yet"
+                    if beat is None
+                    else (
+                        f"last heartbeat: step {beat.num_steps}, {beat.num_unfinished} unfinished"
+                    )
+                )
+                return "hung", f"the engine made no progress for {stalled_s:.1f} s ({steps})"
 
     async def _restart(self) -> bool:
         """Start a new engine after the backoff; False when the restart budget is spent."""
