@@ -1,0 +1,231 @@
+"""The accuracy gate: perplexity and next-token agreement of a quantized model against its float self."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tidal.models.arch import ArchConfig
+from tidal.quant.registry import SCHEMES, QuantSummary, check_scheme, quantize_model
+
+HELDOUT_PATH = Path(__file__).with_name("heldout.txt")
+# Tokens fed to the model per forward pass inside one context chunk; bounds attention memory
+# and keeps each pass on the same (prefill) path the engine takes with chunked prefill.
+PIECE_TOKENS = 256
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class TokenScores:
+    nll: torch.Tensor  # (P,) float64: -log p(target) for every scored position
+    argmax: torch.Tensor  # (P,) int64: the model's top-1 next token at each scored position
+
+
+@dataclass(slots=True)
+class GateReport:
+    scheme: str
+    num_tokens: int  # predictions scored
+    context_tokens: int  # chunk length; each chunk starts a fresh sequence
+    ppl_ref: float
+    ppl_quant: float
+    change_pct: float  # 100 * (ppl_quant / ppl_ref - 1)
+    top1_agreement: float  # fraction of positions where both models' argmax agree
+    threshold_pct: float
+    passed: bool  # change_pct <= threshold_pct
+    summary: QuantSummary | None = None
+
+    def line(self) -> str:
+        verdict = "PASS" if self.passed else "FAIL"
+        return (
+            f"{verdict} {self.scheme}: ppl {self.ppl_ref:.4f} -> {self.ppl_quant:.4f} "
+            f"({self.change_pct:+.3f}%, limit +{self.threshold_pct}%), "
+            f"top-1 agreement {100 * self.top1_agreement:.2f}% over {self.num_tokens} tokens"
+        )
+
+
+class GateFailed(RuntimeError):
+    """Perplexity rose more than the threshold and the caller did not force the scheme."""
+
+
+def heldout_text(path: Path = HELDOUT_PATH) -> str:
+    """The held-out prose, without its '#' header lines."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    return "\n".join(line for line in lines if not line.startswith("#")).strip() + "\n"
+
+
+def perplexity(nll: torch.Tensor) -> float:
+    """exp(mean negative log-likelihood)."""
+    if nll.numel() == 0:
+        raise ValueError("perplexity needs at least one scored token, got none")
+    return math.exp(nll.double().mean().item())
+
+
+@torch.no_grad()
+def score_tokens(
+    model: nn.Module, arch: ArchConfig, ids: list[int], context_tokens: int
+) -> TokenScores:
+    """Split `ids` into chunks of `context_tokens`, run each as its own sequence through the paged
+    model, and score every position's prediction of the next token inside its chunk."""
+    from tidal.attention.metadata import build_metadata
+    from tidal.kv.layout import KVLayout
+    from tidal.worker.kv_cache import allocate_kv_caches
+
+    if context_tokens < 2:
+        raise ValueError(f"context_tokens={context_tokens} is invalid: expected >= 2")
+    kv_dtype = _float_dtype(model)
+    layout = KVLayout.from_layer_windows(
+        arch.layer_windows(),
+        block_size=BLOCK_SIZE,
+        num_kv_heads=arch.num_kv_heads,
+        head_dim=arch.head_dim,
+        dtype_bytes=kv_dtype.itemsize,
+    )
+    blocks = -(-context_tokens // BLOCK_SIZE)
+    num_groups = len(layout.groups)
+    # Block 0 is the null block; group g owns blocks 1 + g * blocks .. (contiguous).
+    tables = [[1 + g * blocks + b for b in range(blocks)] for g in range(num_groups)]
+    kv = allocate_kv_caches(layout, 1 + num_groups * blocks, kv_dtype, "cpu")
+    nlls, tops = [], []
+    for start in range(0, len(ids) - 1, context_tokens):
+        chunk = ids[start : start + context_tokens]
+        if len(chunk) < 2:
+            break
+        for p in range(0, len(chunk) - 1, PIECE_TOKENS):
+            piece = chunk[p : p + PIECE_TOKENS]
+            meta = build_metadata([len(piece)], [p + len(piece)], [tables], BLOCK_SIZE, "cpu")
+            hidden = model(
+                torch.tensor(piece, dtype=torch.long),
+                torch.arange(p, p + len(piece), dtype=torch.long),
+                meta,
+                kv,
+            )
+            targets = torch.tensor(chunk[p + 1 : p + len(piece) + 1], dtype=torch.long)
+            logits = model.compute_logits(hidden[: len(targets)]).double()  # (T, vocab)
+            nlls.append(torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None])[:, 0])
+            tops.append(logits.argmax(-1))
+    return TokenScores(torch.cat(nlls), torch.cat(tops))
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.is_floating_point() and t.dtype.itemsize >= 2:
+            return t.dtype
+    return torch.float32
+
+
+def compare(
+    ref: TokenScores, quant: TokenScores, scheme: str, context_tokens: int, threshold_pct: float
+) -> GateReport:
+    """The gate's arithmetic on two models' scores over the same tokens."""
+    if ref.nll.shape != quant.nll.shape:
+        raise ValueError(f"scores cover {ref.nll.numel()} vs {quant.nll.numel()} tokens")
+    ppl_ref, ppl_quant = perplexity(ref.nll), perplexity(quant.nll)
+    change = 100.0 * (ppl_quant / ppl_ref - 1.0)
+    agree = (ref.argmax == quant.argmax).double().mean().item()
+    return GateReport(
+        scheme,
+        ref.nll.numel(),
+        context_tokens,
+        ppl_ref,
+        ppl_quant,
+        change,
+        agree,
+        threshold_pct,
+        change <= threshold_pct,
+    )
+
+
+def run_gate(
+    model_path: str | Path | None,
+    scheme: str,
+    threshold_pct: float = 1.0,
+    context_tokens: int | None = None,
+    max_tokens: int | None = None,
+) -> GateReport:
+    """Score the held-out text with the float model, quantize it in place, score again.
+
+    `model_path` None means the bundled model; `context_tokens` None takes min(the model's context,
+    4096); `max_tokens` truncates the held-out text (tests, quick checks)."""
+    from tidal.loader.model_loader import load_model
+    from tidal.loader.tokenizer import load_tokenizer
+
+    check_scheme(scheme)
+    if not threshold_pct >= 0:
+        raise ValueError(f"threshold_pct={threshold_pct!r} is invalid: expected a number >= 0")
+    if model_path is None:
+        from tidal.loader.bundled import bundled_model_path
+
+        model_path = bundled_model_path()
+    loaded = load_model(model_path)
+    ids = load_tokenizer(model_path, loaded.arch.family).encode(heldout_text())
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    context = context_tokens or min(loaded.arch.max_position_embeddings, 4096)
+    ref = score_tokens(loaded.model, loaded.arch, ids, context)
+    summary = quantize_model(loaded.model, scheme)
+    quant = score_tokens(loaded.model, loaded.arch, ids, context)
+    report = compare(ref, quant, scheme, context, threshold_pct)
+    report.summary = summary
+    return report
+
+
+def enforce(report: GateReport, force: bool = False) -> None:
+    """Raise GateFailed when the report failed, unless forced."""
+    if not report.passed and not force:
+        raise GateFailed(report.line() + " (pass --force to use it anyway)")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "quantize-check",
+        help="perplexity and top-1 agreement of a quantized model vs float on held-out text",
+    )
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled)")
+    p.add_argument("--quantization", required=True, choices=[s for s in SCHEMES if s != "none"])
+    p.add_argument("--threshold-pct", type=float, default=1.0, help="allowed perplexity rise, %%")
+    p.add_argument("--context-tokens", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    p.add_argument("--force", action="store_true", help="exit 0 even when the gate fails")
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    report = run_gate(
+        args.model, args.quantization, args.threshold_pct, args.context_tokens, args.max_tokens
+    )
+    print(report.line())
+    if report.summary is not None:
+        s = report.summary
+        print(
+            f"weights: {s.weight_bytes_before / 1e6:.1f} MB -> {s.weight_bytes_after / 1e6:.1f} MB"
+        )
+    print(f"took {time.perf_counter() - start:.1f} s")
+    try:
+        enforce(report, args.force)
+    except GateFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tidal")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["quantize-check", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

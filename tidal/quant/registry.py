@@ -1,0 +1,76 @@
+"""Quantization schemes by name, and the module swap that applies one to a loaded model."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from torch import nn
+
+# scheme name -> module exposing quantize_linear(nn.Linear) and
+# quantize_tied_embedding(quantized head, nn.Embedding); imported only when the scheme is used.
+_SCHEME_MODULES = {
+    "int8": "tidal.quant.int8",
+    "int4": "tidal.quant.int4",
+    "fp8": "tidal.quant.fp8",
+}
+SCHEMES = ("none", *_SCHEME_MODULES)
+
+
+@dataclass(slots=True)
+class QuantSummary:
+    scheme: str
+    num_linear: int  # nn.Linear modules replaced
+    weight_bytes_before: int  # unique parameter + buffer bytes
+    weight_bytes_after: int
+
+
+def check_scheme(scheme: str) -> str:
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"quantization={scheme!r} is invalid: expected one of {', '.join(SCHEMES)}"
+        )
+    return scheme
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of distinct tensors (parameters and buffers); tied or shared ones count once."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        total += t.untyped_storage().nbytes()
+    return total
+
+
+def quantize_model(model: nn.Module, scheme: str) -> QuantSummary:
+    """Replace every nn.Linear in place (the model definition stays untouched).
+
+    A LM head tied to the embedding (Gemma 3, tied Llamas) is quantized once for the matmul, and the
+    embedding is swapped for a lookup into the quantized copy, so the float table is released."""
+    check_scheme(scheme)
+    before = weight_bytes(model)
+    if scheme == "none":
+        return QuantSummary(scheme, 0, before, before)
+    impl = importlib.import_module(_SCHEME_MODULES[scheme])
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    tied = (
+        isinstance(embed, nn.Embedding)
+        and isinstance(head, nn.Linear)
+        and head.weight is embed.weight
+    )
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, impl.quantize_linear(child))
+                count += 1
+    if tied:
+        assert inner is not None and isinstance(embed, nn.Embedding)
+        inner.embed_tokens = impl.quantize_tied_embedding(model.lm_head, embed)
+    return QuantSummary(scheme, count, before, weight_bytes(model))
