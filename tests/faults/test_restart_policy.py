@@ -79,3 +79,5 @@ def test_fault_spec_picks_the_first_matching_rule_per_incarnation() -> None:
     assert fault_for(None, 0) is None and fault_for("1:exit_on_start", 0) is None
     with pytest.raises(ValueError, match="TIDAL_ENGINE_FAULT='0:explode' is invalid"):
         fault_for("0:explode", 0)
+    with pytest.raises(ValueError, match="hang_when_waiting'"):
+        fault_for("0:hang_when_waiting", 0)

@@ -51,7 +51,8 @@ def fault_for(spec: str | None, incarnation: int) -> str | None:
         return None
     for rule in spec.split(","):
         who, sep, action = rule.strip().partition(":")
-        if not sep or action.split("=")[0] not in _FAULT_ACTIONS:
+        name, _, arg = action.partition("=")
+        if not sep or name not in _FAULT_ACTIONS or (name == "hang_when_waiting") != arg.isdigit():
             raise ValueError(
                 f"{FAULT_ENV}={spec!r} is invalid: expected rules like '0:hang_when_waiting=2' "
                 f"with an action in {_FAULT_ACTIONS}"
@@ -146,12 +147,16 @@ class _EngineLoop:
         threading.Thread(target=self._beat, name="tidal-engine-beat", daemon=True).start()
         core = self.core
         while True:
-            failures, stop = self._apply(self._next_commands())
+            cmds = self._next_commands()
+            failures, stop = self._apply(cmds)
             if stop:
                 return
             if failures:
                 self.send(StepOutputs(failures=failures, num_steps=self.num_steps))
             if not core.has_unfinished():
+                if cmds:  # e.g. the last request was aborted: publish idle stats (KV freed)
+                    core.step()
+                    self.send(StepOutputs(stats=core.last_stats, num_steps=self.num_steps))
                 continue
             self._maybe_hang()
             try:
