@@ -1,0 +1,236 @@
+"""Compare: start each target server (tidal, its ablations, baselines) in turn and replay one trace on each."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from tidal.bench.run import RunConfig, resolve_model, run_sweep
+from tidal.bench.run_stats import SLO, RunStats
+from tidal.bench.stream_client import RequestOptions, RequestRecord
+
+DEFAULT_NUM_REQUESTS = 16  # 4 chat sessions x 4 turns: the whole compare stays well under 15 min
+DEFAULT_CONCURRENCY = 4
+_LISTENING = re.compile(r"listening on (http://[\w.\-\[\]:]+)")
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One server to benchmark: `kind` says how to start it; `args` are added to its command."""
+
+    name: str
+    kind: str  # "tidal" | "hf-static" | "llama.cpp"
+    args: tuple[str, ...] = ()
+    about: str = ""
+
+
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target("tidal", "tidal", (), "tidal serve defaults"),
+        Target("tidal-no-prefix-cache", "tidal", ("--no-prefix-caching",), "ablation"),
+        Target("tidal-no-chunked-prefill", "tidal", ("--no-chunked-prefill",), "ablation"),
+        Target("tidal-max-num-seqs-1", "tidal", ("--max-num-seqs", "1"), "ablation: no batching"),
+        Target("llama.cpp", "llama.cpp", (), "llama-server, continuous batching, --parallel N"),
+        Target("hf-static", "hf-static", (), "BASELINE: transformers, static batches"),
+    )
+}
+
+
+def llama_server_path() -> Path:
+    """Where scripts/build_llama_server.sh puts the binary (LLAMA_SERVER overrides)."""
+    if os.environ.get("LLAMA_SERVER"):
+        return Path(os.environ["LLAMA_SERVER"])
+    cache = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tidal"
+    )
+    return Path(cache) / "llama.cpp" / "bin" / "llama-server"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file (default: the bundled Gemma 3 270M)")
+    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, from {list(TARGETS)}")  # fmt: skip
+    p.add_argument("--parallel", type=int, default=DEFAULT_CONCURRENCY,
+                   help="llama-server --parallel slots and the HF baseline's batch size")  # fmt: skip
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads per server")  # fmt: skip
+    p.add_argument("--startup-timeout-s", type=float, default=600.0)
+    p.add_argument("--log-dir", default=None, help="server logs (default: next to --json, else a temp dir)")  # fmt: skip
+
+
+class ServerHandle:
+    """A started target: its process, base URL and log file; `stop()` always ends it."""
+
+    def __init__(self, cmd: list[str], log_path: Path, base_url: str | None = None) -> None:
+        self.log_path = log_path
+        self._log: IO[str] = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        )  # fmt: skip
+        self.base_url = base_url
+        self._found = threading.Event()
+        if base_url:
+            self._found.set()
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._log.write(line)
+            self._log.flush()
+            m = _LISTENING.search(line)
+            if m and not self._found.is_set():
+                self.base_url = m.group(1)
+                self._found.set()
+        self._found.set()
+
+    def wait_ready(self, ready_path: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        if not self._found.wait(timeout_s) or not self.base_url:
+            raise RuntimeError(f"server printed no address; see {self.log_path}")
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}; see {self.log_path}"
+                )
+            try:
+                with urllib.request.urlopen(self.base_url + ready_path, timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:  # refused while loading, or 503 until warm
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server not ready after {timeout_s:.0f} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_target(
+    t: Target, model: Path | None, args: argparse.Namespace, log_dir: Path
+) -> tuple[ServerHandle, str]:
+    """(handle, ready path). Raises FileNotFoundError when llama-server is not built."""
+    log = log_dir / f"{t.name}.log"
+    common = ["--host", "127.0.0.1", "--port", "0"]
+    if t.kind == "tidal":
+        cmd = [sys.executable, "-m", "tidal.cli_serve", *common, "--threads", str(args.threads)]
+        if model is not None:
+            cmd += ["--model", str(model)]
+        return ServerHandle(cmd + list(t.args), log), "/ready"
+    gguf = model if model is not None else _bundled_gguf()
+    if t.kind == "hf-static":
+        cmd = [sys.executable, "-m", "tidal.bench.hf_static_server", *common, "--model", str(gguf),
+               "--batch-size", str(args.parallel), "--threads", str(args.threads)]  # fmt: skip
+        return ServerHandle(cmd + list(t.args), log), "/ready"
+    if t.kind == "llama.cpp":
+        binary = which_llama_server()
+        if binary is None:
+            raise FileNotFoundError(
+                f"{llama_server_path()} is not built: run scripts/build_llama_server.sh"
+            )
+        port = _free_port()  # llama-server cannot pick one and tell us; a tiny race, accepted
+        cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "--parallel", str(args.parallel), "--cont-batching", "--metrics",
+               "-c", str(4096 * args.parallel), "-t", str(args.threads)]  # fmt: skip
+        return ServerHandle(cmd + list(t.args), log, f"http://127.0.0.1:{port}"), "/health"
+    raise ValueError(f"target kind={t.kind!r} is invalid: expected tidal, hf-static or llama.cpp")
+
+
+def _bundled_gguf() -> Path:
+    from tidal.loader.bundled import bundled_model_path
+
+    return bundled_model_path()
+
+
+def run(args: argparse.Namespace) -> int:
+    """`tidal bench compare`: every target in turn on the same trace and loads; one table."""
+    import asyncio
+
+    from tidal.bench.cli import loads_from_args, trace_from_args, vars_of, write_outputs
+
+    names = [n.strip() for n in args.targets.split(",") if n.strip()]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        raise ValueError(f"targets={unknown} is invalid: expected names from {list(TARGETS)}")
+    loads, trace = loads_from_args(args), trace_from_args(args)
+    model = Path(args.model) if args.model else None
+    log_dir = Path(
+        args.log_dir or (Path(args.json).parent if args.json else "/tmp") / "compare_logs"
+    )
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[RunStats] = []
+    records: list[list[RequestRecord]] = []
+    notes: dict[str, str] = {}
+    for name in names:
+        t = TARGETS[name]
+        started = time.monotonic()
+        try:
+            handle, ready = start_target(t, model, args, log_dir)
+        except FileNotFoundError as e:
+            notes[name] = f"skipped: {e}"
+            print(f"{name}: {notes[name]}", file=sys.stderr)
+            continue
+        try:
+            handle.wait_ready(ready, args.startup_timeout_s)
+            load_s = time.monotonic() - started
+            print(f"{name}: ready at {handle.base_url} after {load_s:.0f} s", file=sys.stderr)
+            assert handle.base_url is not None
+            served = asyncio.run(resolve_model(handle.base_url))
+            cfg = RunConfig(
+                base_url=handle.base_url,
+                options=RequestOptions(served, args.temperature, args.ignore_eos),
+                seed=args.seed,
+                num_warmup=args.warmup,
+                slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+                target=name,
+                server_pid=handle.proc.pid,
+                probe_interval_s=args.metrics_interval_s,
+                progress=args.progress,
+            )
+            for stats, recs in run_sweep(cfg, trace, loads):
+                runs.append(stats)
+                records.append(recs)
+            notes.setdefault(name, f"{t.about}; ready after {load_s:.0f} s")
+        except (RuntimeError, OSError) as e:
+            notes[name] = f"failed: {e}"
+            print(f"{name}: {notes[name]}", file=sys.stderr)
+        finally:
+            handle.stop()
+    meta = {"workload": vars_of(args), "targets": notes, "model": str(model or _bundled_gguf())}
+    write_outputs(args, runs, records, meta)
+    for name, note in notes.items():
+        print(f"- {name}: {note}")
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write("\n" + "".join(f"- {n}: {note}\n" for n, note in notes.items()))
+    return 0 if runs else 1
+
+
+def which_llama_server() -> str | None:
+    """The built llama-server, else one on PATH, else None."""
+    p = llama_server_path()
+    return str(p) if p.exists() else shutil.which("llama-server")
