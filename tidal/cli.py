@@ -153,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         cli_serve = None  # type: ignore[assignment]
     if cli_serve is not None and hasattr(cli_serve, "add_parser"):
         cli_serve.add_parser(sub)
+    try:
+        from tidal.bench import cli as cli_bench
+    except ImportError:  # aiohttp (dev extra) is imported lazily; this guards the rest
+        cli_bench = None  # type: ignore[assignment]
+    if cli_bench is not None:
+        cli_bench.add_parser(sub)
     return parser
 
 

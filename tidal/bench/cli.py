@@ -44,7 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_trace_arguments(cmp_p, num_requests=compare.DEFAULT_NUM_REQUESTS, workload="chat")
     add_load_arguments(cmp_p, concurrency=str(compare.DEFAULT_CONCURRENCY))
     add_output_arguments(cmp_p, default_prefix="compare")
-    cmp_p.set_defaults(func=compare.run)
+    # Small on purpose: six targets (one loads for minutes) in under 15 minutes on 2 CPU cores.
+    cmp_p.set_defaults(func=compare.run, input_len="64", system_len=256)
     return parser
 
 
