@@ -132,3 +132,15 @@ def test_report_writers(tmp_path: Path) -> None:
     pngs = write_plots(tmp_path / "plots", [a, b, c], prefix="t")
     assert [p.name for p in pngs] == ["t_latency.png", "t_timeline.png"]
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
+
+
+def test_write_markdown_replaces_only_the_marked_table(tmp_path: Path) -> None:
+    from tidal.bench.report import BEGIN_MARK, END_MARK, write_markdown
+
+    plain = tmp_path / "t.md"
+    write_markdown(plain, "| a |\n")
+    assert plain.read_text() == "| a |\n"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\n{BEGIN_MARK}\nold table\n{END_MARK}\n\nmore text\n")
+    write_markdown(readme, "| new |\n")
+    assert readme.read_text() == f"# Title\n\n{BEGIN_MARK}\n| new |\n{END_MARK}\n\nmore text\n"

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import math
 import sys
-from pathlib import Path
 
 from tidal.bench.run import LoadSpec, RunConfig, resolve_model, run_sweep
 from tidal.bench.run_stats import SLO, RunStats
@@ -45,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_load_arguments(cmp_p, concurrency=str(compare.DEFAULT_CONCURRENCY))
     add_output_arguments(cmp_p, default_prefix="compare")
     # Small on purpose: six targets (one loads for minutes) in under 15 minutes on 2 CPU cores.
-    cmp_p.set_defaults(func=compare.run, input_len="64", system_len=256)
+    cmp_p.set_defaults(func=compare.run, input_len="64", output_len="16", system_len=256, turns=2)
     return parser
 
 
@@ -142,16 +141,17 @@ def write_outputs(
     runs: list[RunStats],
     records: list[list[RequestRecord]],
     meta: dict | None = None,
+    notes: list[str] = (),
 ) -> str:
     """Table to stdout, and the JSON/Markdown/PNG files asked for. Returns the table."""
-    from tidal.bench.report import markdown_table, write_json, write_plots
+    from tidal.bench.report import markdown_table, write_json, write_markdown, write_plots
 
-    table = markdown_table(runs)
+    table = markdown_table(runs) + "".join(f"\n{line}" for line in notes)
     print(table)
     if args.json:
         write_json(args.json, runs, records, meta)
     if args.markdown:
-        Path(args.markdown).write_text(table)
+        write_markdown(args.markdown, table)
     if args.plots:
         for path in write_plots(args.plots, runs, args.plot_prefix):
             print(f"wrote {path}", file=sys.stderr)

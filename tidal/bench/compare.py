@@ -6,6 +6,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from tidal.bench.run import RunConfig, resolve_model, run_sweep
 from tidal.bench.run_stats import SLO, RunStats
 from tidal.bench.stream_client import RequestOptions, RequestRecord
 
-DEFAULT_NUM_REQUESTS = 16  # 4 chat sessions x 4 turns: the whole compare stays well under 15 min
+DEFAULT_NUM_REQUESTS = 8  # 4 chat sessions x 2 turns: server start-up dominates on 2 busy cores
 DEFAULT_CONCURRENCY = 4
 _LISTENING = re.compile(r"listening on (http://[\w.\-\[\]:]+)")
 
@@ -63,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, from {list(TARGETS)}")  # fmt: skip
     p.add_argument("--parallel", type=int, default=DEFAULT_CONCURRENCY,
                    help="llama-server --parallel slots and the HF baseline's batch size")  # fmt: skip
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="CPU threads per server")  # fmt: skip
+    # One thread by default: on a shared 2-core box, 2 torch threads per server spin against the
+    # other processes and a step took seconds; every target gets the same count either way.
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per server (all targets)")
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="server logs (default: next to --json, else a temp dir)")  # fmt: skip
 
@@ -160,6 +163,10 @@ def start_target(
     raise ValueError(f"target kind={t.kind!r} is invalid: expected tidal, hf-static or llama.cpp")
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _bundled_gguf() -> Path:
     from tidal.loader.bundled import bundled_model_path
 
@@ -185,6 +192,8 @@ def run(args: argparse.Namespace) -> int:
     runs: list[RunStats] = []
     records: list[list[RequestRecord]] = []
     notes: dict[str, str] = {}
+    # SIGTERM (timeout, CI) unwinds like Ctrl-C, so the `finally` below stops the server.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
     for name in names:
         t = TARGETS[name]
         started = time.monotonic()
@@ -221,12 +230,8 @@ def run(args: argparse.Namespace) -> int:
         finally:
             handle.stop()
     meta = {"workload": vars_of(args), "targets": notes, "model": str(model or _bundled_gguf())}
-    write_outputs(args, runs, records, meta)
-    for name, note in notes.items():
-        print(f"- {name}: {note}")
-    if args.markdown:
-        with open(args.markdown, "a") as f:
-            f.write("\n" + "".join(f"- {n}: {note}\n" for n, note in notes.items()))
+    lines = [f"- {name}: {note}" for name, note in notes.items()]
+    write_outputs(args, runs, records, meta, lines)
     return 0 if runs else 1
 
 

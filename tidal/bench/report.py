@@ -64,6 +64,22 @@ def markdown_table(runs: Sequence[RunStats]) -> str:
     return "\n".join([head, rule, *rows]) + "\n"
 
 
+BEGIN_MARK, END_MARK = "<!-- bench:table:begin -->", "<!-- bench:table:end -->"
+
+
+def write_markdown(path: str | Path, text: str) -> None:
+    """Write `text` to `path`; when the file holds the two table markers, replace only what lies
+    between them, so `--markdown benchmarks/README.md` regenerates the README's table in place."""
+    p = Path(path)
+    old = p.read_text() if p.exists() else ""
+    if BEGIN_MARK in old and END_MARK in old.split(BEGIN_MARK, 1)[1]:
+        head, rest = old.split(BEGIN_MARK, 1)
+        tail = rest.split(END_MARK, 1)[1]
+        p.write_text(f"{head}{BEGIN_MARK}\n{text.rstrip()}\n{END_MARK}{tail}")
+    else:
+        p.write_text(text)
+
+
 def machine_info() -> dict[str, Any]:
     """What the figures were measured on: CPU model, cores, load average (the box may be shared)."""
     model = platform.processor() or platform.machine()
