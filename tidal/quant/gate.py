@@ -16,9 +16,10 @@ from tidal.models.arch import ArchConfig
 from tidal.quant.registry import SCHEMES, QuantSummary, check_scheme, quantize_model
 
 HELDOUT_PATH = Path(__file__).with_name("heldout.txt")
-# Tokens fed to the model per forward pass inside one context chunk; bounds attention memory
-# and keeps each pass on the same (prefill) path the engine takes with chunked prefill.
-PIECE_TOKENS = 256
+# Tokens fed to the model per forward pass inside one context chunk. 32 keeps every matmul on the
+# few-row kernel path that decode and small batches take (tidal.quant.int8.KERNEL_MAX_ROWS), so the
+# gate measures the numerics users get when generating, not only those of long prefills.
+PIECE_TOKENS = 32
 BLOCK_SIZE = 16
 
 
@@ -69,7 +70,11 @@ def perplexity(nll: torch.Tensor) -> float:
 
 @torch.no_grad()
 def score_tokens(
-    model: nn.Module, arch: ArchConfig, ids: list[int], context_tokens: int
+    model: nn.Module,
+    arch: ArchConfig,
+    ids: list[int],
+    context_tokens: int,
+    piece_tokens: int = PIECE_TOKENS,
 ) -> TokenScores:
     """Split `ids` into chunks of `context_tokens`, run each as its own sequence through the paged
     model, and score every position's prediction of the next token inside its chunk."""
@@ -79,6 +84,8 @@ def score_tokens(
 
     if context_tokens < 2:
         raise ValueError(f"context_tokens={context_tokens} is invalid: expected >= 2")
+    if piece_tokens < 1:
+        raise ValueError(f"piece_tokens={piece_tokens} is invalid: expected >= 1")
     kv_dtype = _float_dtype(model)
     layout = KVLayout.from_layer_windows(
         arch.layer_windows(),
@@ -97,8 +104,8 @@ def score_tokens(
         chunk = ids[start : start + context_tokens]
         if len(chunk) < 2:
             break
-        for p in range(0, len(chunk) - 1, PIECE_TOKENS):
-            piece = chunk[p : p + PIECE_TOKENS]
+        for p in range(0, len(chunk) - 1, piece_tokens):
+            piece = chunk[p : p + piece_tokens]
             meta = build_metadata([len(piece)], [p + len(piece)], [tables], BLOCK_SIZE, "cpu")
             hidden = model(
                 torch.tensor(piece, dtype=torch.long),
