@@ -32,7 +32,7 @@ from tidal.config.keys import (
     parse_text,
 )
 from tidal.config.limits import TRUNCATION_MODES, LimitsConfig
-from tidal.config.model import DTYPES, ModelConfig
+from tidal.config.model import DTYPES, QUANTIZATIONS, ModelConfig
 from tidal.config.scheduler import SchedulerConfig
 from tidal.config.server import ServerConfig
 
@@ -179,6 +179,7 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--weight-dtype", "model.dtype", "dtype weights are held in (auto: the compute dtype)"),
     ("--max-model-len", "model.max_model_len", "context limit, prompt + output"),
     ("--served-model-name", "model.served_model_name", "model id clients use"),
+    ("--quantization", "model.quantization", "weight format (check with tidal quantize-check)"),
     ("--device", "hardware.device", "auto, cpu, cuda or cuda:N"),
     ("--dtype", "hardware.dtype", "compute dtype"),
     ("--threads", "hardware.threads", "torch CPU threads"),
@@ -234,6 +235,7 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
 FLAG_OF: dict[str, str] = {key: flag for flag, key, _ in _FLAGS}
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": DTYPES,
+    "model.quantization": QUANTIZATIONS,
     "hardware.dtype": DTYPES,
     "limits.truncation": TRUNCATION_MODES,
 }

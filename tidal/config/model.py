@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 
 from tidal.config._check import check
+from tidal.quant.registry import SCHEMES as QUANTIZATIONS
 
 # The dtypes a user may name; "auto" is resolved by the engine once the device is known.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -22,6 +23,8 @@ class ModelConfig:
     max_model_len: int | None = None
     # The name /v1/models lists and requests must use; None derives it from `path`.
     served_model_name: str | None = None
+    # Weight format after loading (tidal.quant): "none", "int8", "int4" or "fp8".
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         check(
@@ -42,6 +45,12 @@ class ModelConfig:
             "served_model_name",
             self.served_model_name,
             "a non-empty name or None",
+        )
+        check(
+            self.quantization in QUANTIZATIONS,
+            "quantization",
+            self.quantization,
+            f"one of {', '.join(QUANTIZATIONS)}",
         )
 
     def served_name(self, bundled_name: str) -> str:

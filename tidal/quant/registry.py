@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch import nn
+if TYPE_CHECKING:  # NOTE: kept torch-free at import time, so tidal.config can read SCHEMES
+    from torch import nn
 
 # scheme name -> module exposing quantize_linear(nn.Linear) and
 # quantize_tied_embedding(quantized head, nn.Embedding); imported only when the scheme is used.
@@ -51,6 +53,8 @@ def quantize_model(model: nn.Module, scheme: str) -> QuantSummary:
 
     A LM head tied to the embedding (Gemma 3, tied Llamas) is quantized once for the matmul, and the
     embedding is swapped for a lookup into the quantized copy, so the float table is released."""
+    from torch import nn
+
     check_scheme(scheme)
     before = weight_bytes(model)
     if scheme == "none":
