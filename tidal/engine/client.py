@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -27,6 +28,11 @@ from tidal.supervisor.restart_policy import RestartPolicy
 from tidal.supervisor.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
+
+# Throughput behind Retry-After and deadline admission: finishes in the last minute, and no
+# estimate until a few requests have finished (a rate from one or two would swing wildly).
+_RATE_WINDOW_S = 60.0
+_RATE_MIN_SAMPLES = 4
 
 
 @dataclass(slots=True)
@@ -93,6 +99,8 @@ class EngineClient:
         self._stats: StepStats | None = None
         self._started = False
         self._closed = False
+        self._clock = clock
+        self._finished_at: deque[float] = deque(maxlen=1024)  # clock times of recent finishes
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -155,6 +163,16 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def completions_per_s(self) -> float | None:
+        """Requests finished per second over the last minute; None until a few have finished."""
+        now = self._clock()
+        while self._finished_at and now - self._finished_at[0] > _RATE_WINDOW_S:
+            self._finished_at.popleft()
+        span_s = now - self._finished_at[0] if self._finished_at else 0.0
+        if len(self._finished_at) < _RATE_MIN_SAMPLES or span_s <= 0:
+            return None
+        return len(self._finished_at) / span_s
+
     # ---- requests -----------------------------------------------------------------------------
 
     async def generate(
@@ -211,6 +229,8 @@ class EngineClient:
         for out in msg.outputs:
             if self.on_output is not None:
                 _safely(self.on_output, out)
+            if out.finished:
+                self._finished_at.append(self._clock())
             stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.started = True

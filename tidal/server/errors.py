@@ -114,6 +114,20 @@ def queue_full(max_queue: int | None, retry_after_s: float = 1.0) -> APIError:
     )
 
 
+def deadline_unmeetable(timeout_s: float, wait_s: float, retry_after_s: float) -> APIError:
+    """429: the queue ahead is estimated to outlast the request's deadline; refused up front."""
+    return APIError(
+        429,
+        f"The request cannot finish within its deadline of {timeout_s:g} s: the requests queued "
+        f"ahead of it are estimated to take {wait_s:.1f} s at the current throughput. Retry "
+        "later or with a longer timeout_s.",
+        "rate_limit_error",
+        "timeout_s",
+        "deadline_unmeetable",
+        _retry_after(retry_after_s),
+    )
+
+
 def not_ready(reason: str = "The model is still loading", retry_after_s: float = 5.0) -> APIError:
     """503: not ready yet (loading, warming up) or draining for shutdown."""
     return APIError(

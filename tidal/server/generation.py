@@ -21,6 +21,7 @@ from tidal.server.errors import (
     not_ready,
     queue_full,
 )
+from tidal.server.guards import check_deadline, retry_after_s
 from tidal.server.inputs import PromptInput
 from tidal.server.responses import UsageInfo
 from tidal.server.state import ServerState
@@ -48,7 +49,8 @@ def finish_error(
     if reason == "deadline":
         return deadline_exceeded(timeout_s or 0.0)
     if reason == "rejected":
-        return queue_full(state.config.engine.scheduler.max_queue)
+        max_queue = state.config.engine.scheduler.max_queue
+        return queue_full(max_queue, retry_after_s(state, max_queue))
     if reason == "abort":
         return not_ready("The request was aborted by the server")
     return internal_error(request_id)
@@ -93,7 +95,8 @@ class GenerationJob:
             out_q.put_nowait((i, None))
         except QueueFullError:
             reason = None
-            out_q.put_nowait((i, queue_full(state.config.engine.scheduler.max_queue)))
+            max_queue = state.config.engine.scheduler.max_queue
+            out_q.put_nowait((i, queue_full(max_queue, retry_after_s(state, max_queue))))
         except ValueError as e:
             reason = None
             out_q.put_nowait((i, bad_request(str(e), "prompt", "invalid_value")))
@@ -111,6 +114,7 @@ class GenerationJob:
         """
         if self.state.draining:
             raise not_ready("The server is shutting down")
+        check_deadline(self.timeout_s, self.state)
         out_q: asyncio.Queue = asyncio.Queue()
         tasks = [
             asyncio.create_task(self._pump(i, inp, out_q)) for i, inp in enumerate(self.inputs)

@@ -6,7 +6,12 @@ import hmac
 
 from starlette.requests import Request
 
-from tidal.server.errors import body_too_large, invalid_api_key, model_not_found
+from tidal.server.errors import (
+    body_too_large,
+    deadline_unmeetable,
+    invalid_api_key,
+    model_not_found,
+)
 from tidal.server.state import ServerState
 
 
@@ -48,3 +53,53 @@ async def read_body(request: Request, state: ServerState) -> bytes:
 def check_model(model: str | None, state: ServerState) -> None:
     if model is not None and model != state.served_name:
         raise model_not_found(model, [state.served_name])
+
+
+# Retry-After stays within [1 s (the header's unit), 60 s (past that a client does better
+# trying another replica than sleeping)].
+MIN_RETRY_AFTER_S = 1.0
+MAX_RETRY_AFTER_S = 60.0
+# Admission refuses a deadline only when the estimated wait is this many times over it: the
+# estimate is rough, and refusing a request that would have made it is the worse mistake.
+DEADLINE_MARGIN = 2.0
+
+
+def estimated_wait_s(num_ahead: int, completions_per_s: float | None) -> float | None:
+    """How long `num_ahead` queued requests take to clear at the recent finish rate; None: unknown."""
+    if completions_per_s is None or completions_per_s <= 0:
+        return None
+    return num_ahead / completions_per_s
+
+
+def clamp_retry_after_s(wait_s: float | None) -> float:
+    """The Retry-After for an estimated wait: the wait clamped to [1, 60] s, 1 s when unknown."""
+    if wait_s is None:
+        return MIN_RETRY_AFTER_S
+    return min(max(wait_s, MIN_RETRY_AFTER_S), MAX_RETRY_AFTER_S)
+
+
+def _completions_per_s(state: ServerState) -> float | None:
+    # The supervised engine client measures it; the in-thread engine does not (None: unknown).
+    rate = getattr(state.engine, "completions_per_s", None)
+    return rate() if callable(rate) else None
+
+
+def _num_waiting(state: ServerState) -> int:
+    stats = state.engine.stats
+    return stats.num_waiting if stats is not None else 0
+
+
+def retry_after_s(state: ServerState, num_ahead: int | None = None) -> float:
+    """Retry-After for a refused request: the queue (`num_ahead`, else the engine's waiting
+    count) over the recent completions per second, clamped."""
+    ahead = _num_waiting(state) if num_ahead is None else num_ahead
+    return clamp_retry_after_s(estimated_wait_s(ahead, _completions_per_s(state)))
+
+
+def check_deadline(timeout_s: float | None, state: ServerState) -> None:
+    """429 when the queue ahead is estimated to take over DEADLINE_MARGIN times `timeout_s`."""
+    if timeout_s is None:
+        return
+    wait_s = estimated_wait_s(_num_waiting(state), _completions_per_s(state))
+    if wait_s is not None and wait_s > DEADLINE_MARGIN * timeout_s:
+        raise deadline_unmeetable(timeout_s, wait_s, clamp_retry_after_s(wait_s))
