@@ -68,6 +68,7 @@ def build_engine(
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(load_tokenizer, path, family)
         loaded = load_model(path, dtype, device)
+        tokenizer = tokenizer_future.result()
     if config.model.quantization != "none":
         from tidal.quant.registry import quantize_model
 
@@ -77,5 +78,4 @@ def build_engine(
                 f"quantized {summary.num_linear} linear layers to {summary.scheme}: weights "
                 f"{summary.weight_bytes_before / 1e6:.0f} MB -> {summary.weight_bytes_after / 1e6:.0f} MB"
             )
-        tokenizer = tokenizer_future.result()
     return EngineCore(config, loaded, tokenizer, clock=clock, on_step=on_step)
