@@ -216,6 +216,14 @@ class EngineClient:
             if not finished:
                 self.supervisor.send(AbortRequest(request_id))
 
+    def interrupt_all(self, detail: str) -> int:
+        """End every request in flight with EngineError(detail) and abort it in the engine; the count."""
+        num = len(self._streams)
+        for request_id in list(self._streams):
+            self.supervisor.send(AbortRequest(request_id))
+        self._fail_all(EngineError(detail), reason=None)
+        return num
+
     async def abort(self, request_id: str) -> None:
         """Abort a request (its iterator then ends with an aborted output); unknown ids are ignored."""
         self.supervisor.send(AbortRequest(request_id))

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 # Rejections counted in tidal:request_rejected_total: statuses that mean "not served".
 _REJECTED_STATUSES = (400, 401, 404, 413, 429, 503)
 _WARMUP_PROMPT = "Hello"
+# The signal handler only sets state.draining; the drain cut notices it within this long.
+_DRAIN_POLL_S = 0.1
 
 
 async def warm_up(state: ServerState) -> None:
@@ -55,11 +57,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state.engine.start()
         warm_task = asyncio.create_task(_warm(state))
+        cut_task = asyncio.create_task(_cut_drain(state))
         try:
             yield
         finally:
             state.draining = True
             warm_task.cancel()
+            cut_task.cancel()
             await state.engine.shutdown()
 
     app = FastAPI(title="tidal", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -170,6 +174,22 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+async def _cut_drain(state: ServerState) -> None:
+    """Once draining, let running requests finish for the drain timeout less a margin, then end
+    them with an error (a stream gets an error event and [DONE]) before uvicorn cancels them."""
+    while not state.draining:
+        await asyncio.sleep(_DRAIN_POLL_S)
+    drain_s = state.config.server.drain_timeout_s
+    # The margin lets the error events go out before uvicorn's own timeout (the same length,
+    # started by the same signal) cancels the responses mid-stream.
+    await asyncio.sleep(max(0.0, drain_s - min(1.0, drain_s / 4)))
+    interrupt = getattr(state.engine, "interrupt_all", None)  # the supervised engine only
+    if callable(interrupt):
+        num = interrupt("the server is shutting down")
+        if num:
+            log.warning("drain timeout: ended %d requests still running", num)
 
 
 async def _warm(state: ServerState) -> None:

@@ -102,7 +102,13 @@ class GenerationJob:
             out_q.put_nowait((i, bad_request(str(e), "prompt", "invalid_value")))
         except EngineError:
             reason = "error"
-            out_q.put_nowait((i, internal_error(self.request_id)))
+            # Past the drain timeout the server ends what still runs (app.py's drain cut).
+            err = (
+                not_ready("The server is shutting down")
+                if state.draining
+                else internal_error(self.request_id)
+            )
+            out_q.put_nowait((i, err))
         finally:
             if reason is not None:
                 tracker.finish(reason)
