@@ -178,6 +178,9 @@ def _make_server_class():
         def handle_exit(self, sig, frame) -> None:  # type: ignore[no-untyped-def]
             self.tidal_state.draining = True
             super().handle_exit(sig, frame)
+            # uvicorn re-raises a captured signal after shutting down, which would end the process
+            # with -SIGTERM; a drained shutdown is a clean exit (0) for systemd and Kubernetes.
+            self._captured_signals.clear()
 
     return _Server
 

@@ -193,7 +193,8 @@ def test_queue_full_is_429(narrow_server: ServerProcess) -> None:
     assert len(rejected) + len(served) == 6, results
     # Arrivals before the first step all wait, so possibly only one is served.
     assert len(rejected) >= 1 and len(served) >= 1
-    assert all(r.response.headers["retry-after"] == "1" for r in rejected)
+    # Retry-After comes from recent throughput (at least 1 s; 1 s while the rate is unknown).
+    assert all(int(r.response.headers["retry-after"]) >= 1 for r in rejected)
     assert all(r.usage.completion_tokens == 200 for r in served)
     assert _metrics(srv)["tidal:request_rejected_total{reason=queue_full}"] == len(rejected)
 
