@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
         cli_bench = None  # type: ignore[assignment]
     if cli_bench is not None:
         cli_bench.add_parser(sub)
+    from tidal.quant import gate
+
+    gate.add_parser(sub)  # `tidal quantize-check --quantization int8`
     return parser
 
 
