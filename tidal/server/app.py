@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+from functools import partial
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
@@ -15,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from tidal.engine.sampling_params import SamplingParams
 from tidal.server.errors import APIError, bad_request, internal_error, not_found, not_ready
 from tidal.server.generation import ClientGone
-from tidal.server.guards import check_auth, check_model, read_body
+from tidal.server.guards import admit, check_auth
 from tidal.server.metrics import CONTENT_TYPE
 from tidal.server.protocol import (
     DetokenizeRequest,
@@ -107,9 +108,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        check_auth(request, state)
-        req = parse_tokenize_request(await read_body(request, state))
-        check_model(req.model, state)
+        _, req = await admit(request, parse_tokenize_request)
         tok = state.tokenizer
         if isinstance(req, TokenizeChatRequest):
             messages = [
@@ -135,9 +134,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        check_auth(request, state)
-        req = parse_request(DetokenizeRequest, await read_body(request, state))
-        check_model(req.model, state)
+        _, req = await admit(request, partial(parse_request, DetokenizeRequest))
         bad = next((t for t in req.tokens if t >= state.limits.vocab_size), None)
         if bad is not None:
             raise bad_request(

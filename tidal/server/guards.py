@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hmac
+from collections.abc import Callable
+from typing import TypeVar
 
 from starlette.requests import Request
 
@@ -13,6 +15,8 @@ from tidal.server.errors import (
     model_not_found,
 )
 from tidal.server.state import ServerState
+
+T = TypeVar("T")
 
 
 def state_of(request: Request) -> ServerState:
@@ -32,6 +36,16 @@ def check_auth(request: Request, state: ServerState) -> None:
     )
     if not ok:
         raise invalid_api_key()
+
+
+async def admit(request: Request, parse: Callable[[bytes], T]) -> tuple[ServerState, T]:
+    """The gate of every model route, in order: auth (401), body size (413), parse (400), model
+    name (404). Returns the server state and the parsed request."""
+    state = state_of(request)
+    check_auth(request, state)
+    req = parse(await read_body(request, state))
+    check_model(req.model, state)  # type: ignore[attr-defined]
+    return state, req
 
 
 async def read_body(request: Request, state: ServerState) -> bytes:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -19,7 +20,7 @@ from tidal.server.generation import (
     finish_error,
     until_disconnect,
 )
-from tidal.server.guards import check_auth, check_model, read_body, state_of
+from tidal.server.guards import admit
 from tidal.server.inputs import chat_input, check_max_tokens
 from tidal.server.logprobs import chat_logprobs
 from tidal.server.protocol import ChatCompletionRequest, parse_request
@@ -36,10 +37,7 @@ from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_ev
 
 
 async def create_chat_completion(request: Request) -> Response:
-    state = state_of(request)
-    check_auth(request, state)
-    req = parse_request(ChatCompletionRequest, await read_body(request, state))
-    check_model(req.model, state)
+    state, req = await admit(request, partial(parse_request, ChatCompletionRequest))
     params = req.to_sampling_params()
     inp = chat_input(req, state.tokenizer, state.limits)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

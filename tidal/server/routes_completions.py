@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -19,7 +20,7 @@ from tidal.server.generation import (
     finish_error,
     until_disconnect,
 )
-from tidal.server.guards import check_auth, check_model, read_body, state_of
+from tidal.server.guards import admit
 from tidal.server.inputs import PromptInput, check_max_tokens, completion_inputs
 from tidal.server.logprobs import completion_logprobs
 from tidal.server.protocol import CompletionRequest, parse_request
@@ -34,10 +35,7 @@ from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_ev
 
 
 async def create_completion(request: Request) -> Response:
-    state = state_of(request)
-    check_auth(request, state)
-    req = parse_request(CompletionRequest, await read_body(request, state))
-    check_model(req.model, state)
+    state, req = await admit(request, partial(parse_request, CompletionRequest))
     params = req.to_sampling_params()
     tok = state.tokenizer
     inputs = completion_inputs(req, tok, state.limits)
