@@ -1,9 +1,12 @@
 """A real `tidal serve` whose engine process is SIGKILLed, hangs, or keeps dying: nobody hangs,
-started requests fail with an error event, waiting ones finish on the restarted engine."""
+started requests fail with a retryable 503 engine_restarted (an error event in a stream), waiting
+ones finish on the restarted engine."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -17,6 +20,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.tiny_server import ServerProcess
+from tidal.config.engine import EngineConfig
+from tidal.config.model import ModelConfig
+from tidal.engine.client import _SPAWN_OVERHEAD_S, EngineClient, EngineInterrupted
+from tidal.engine.messages import EngineReady
+from tidal.engine.sampling_params import SamplingParams
+from tidal.supervisor.restart_policy import RestartPolicy
 
 KV_BYTES = str(4 << 20)
 # Generous bounds for a loaded 2-core machine; a bug shows up as a hang, which these turn into
@@ -24,10 +33,13 @@ KV_BYTES = str(4 << 20)
 DEADLINE_S = 120.0
 
 
-def _start(checkpoint: Path, monkeypatch: pytest.MonkeyPatch, **env: str) -> ServerProcess:
+def _start(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch, max_num_seqs: int = 1, **env: str
+) -> ServerProcess:
     for key, value in env.items():
         monkeypatch.setenv(key, value)  # ServerProcess copies os.environ
-    args = ["--model", str(checkpoint), "--kv-cache-bytes", KV_BYTES, "--max-num-seqs", "1"]
+    args = ["--model", str(checkpoint), "--kv-cache-bytes", KV_BYTES]
+    args += ["--max-num-seqs", str(max_num_seqs)]
     return ServerProcess(args)
 
 
@@ -60,20 +72,35 @@ def _engine_pid(server: ServerProcess, incarnation: int) -> int:
     return int(m.group(1))
 
 
-def _long_stream(server: ServerProcess, first_chunk: threading.Event) -> list[dict]:
-    """A streamed completion that outlives the engine: every SSE data object it received."""
-    body = {"prompt": "Tide", "max_tokens": 200, "temperature": 0, "stream": True,
-            "ignore_eos": True}  # fmt: skip
-    events = []
+LONG = {"prompt": "Tide", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+
+def _long_stream(server: ServerProcess, first_chunk: threading.Event) -> list[str]:
+    """A streamed completion that outlives the engine: every SSE data line it received."""
+    lines = []
     with httpx.stream(
-        "POST", server.base_url + "/v1/completions", json=body, timeout=DEADLINE_S
+        "POST",
+        server.base_url + "/v1/completions",
+        json={**LONG, "stream": True},
+        timeout=DEADLINE_S,
     ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                events.append(json.loads(line[len("data: ") :]))
+            if line.startswith("data: "):
+                lines.append(line[len("data: ") :])
                 first_chunk.set()
-    return events
+    return lines
+
+
+def _long(server: ServerProcess) -> httpx.Response:
+    return httpx.post(server.base_url + "/v1/completions", json=LONG, timeout=DEADLINE_S)
+
+
+def _check_engine_restarted(error: dict) -> None:
+    assert error["type"] == "server_error"
+    assert error["code"] == "engine_restarted"
+    assert error["param"] is None
+    assert error["message"].startswith("The engine restarted while the request was running")
 
 
 def _short(server: ServerProcess, prompt: str) -> httpx.Response:
@@ -81,10 +108,12 @@ def _short(server: ServerProcess, prompt: str) -> httpx.Response:
     return httpx.post(server.base_url + "/v1/completions", json=body, timeout=DEADLINE_S)
 
 
-def _check_recovery(server: ServerProcess, long_events: list[dict], waiting: list) -> None:
-    # The started request streamed tokens, then ended with an error event (never a hang).
-    assert "choices" in long_events[0] and long_events[0]["choices"][0]["text"] != ""
-    assert long_events[-1]["error"]["code"] == "internal_error"
+def _check_recovery(server: ServerProcess, long_lines: list[str], waiting: list) -> None:
+    # The started request streamed tokens, then ended with an error event and [DONE].
+    first = json.loads(long_lines[0])
+    assert "choices" in first and first["choices"][0]["text"] != ""
+    assert long_lines[-1] == "[DONE]"
+    _check_engine_restarted(json.loads(long_lines[-2])["error"])
     # The waiting ones ran on the new engine: the same text as the same request run afresh.
     for prompt, response in waiting:
         assert response.status_code == 200, response.text
@@ -96,11 +125,13 @@ def _check_recovery(server: ServerProcess, long_events: list[dict], waiting: lis
 def test_sigkill_under_load_fails_started_and_reruns_waiting(
     tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The first engine freezes once 3 requests wait behind the running one, so the kill always
-    # lands mid-stream; the watchdog is far away so only the kill ends it.
+    # Two long requests run (one streamed, one not); the first engine freezes once 3 requests
+    # wait behind them, so the kill always lands mid-request; the watchdog is far away so only
+    # the kill ends it.
     server = _start(
         tiny_checkpoint,
         monkeypatch,
+        max_num_seqs=2,
         TIDAL_ENGINE_FAULT="0:hang_when_waiting=3",
         TIDAL_SERVER_WATCHDOG_TIMEOUT_S="600",
     )
@@ -108,9 +139,16 @@ def test_sigkill_under_load_fails_started_and_reruns_waiting(
         server.wait_ready()
         first_chunk = threading.Event()
         prompts = ["Hello", "Tidal wave", "Sea"]
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(5) as pool:
             long_run = pool.submit(_long_stream, server, first_chunk)
+            long_plain = pool.submit(_long, server)
             assert first_chunk.wait(DEADLINE_S), server.log
+            # Both long requests have had tokens delivered to the API side: both have started.
+            _wait_until(
+                lambda: _metrics(server).get("tidal:time_to_first_token_seconds_count") == 2,
+                "2 first tokens",
+                server,
+            )
             shorts = [pool.submit(_short, server, p) for p in prompts]
             _wait_until(
                 lambda: _metrics(server).get("tidal:num_requests_waiting") == 3,
@@ -120,16 +158,52 @@ def test_sigkill_under_load_fails_started_and_reruns_waiting(
             os.kill(_engine_pid(server, 0), signal.SIGKILL)
             _wait_until(lambda: _ready_status(server) == 503, "/ready 503", server)
             _wait_until(lambda: _ready_status(server) == 200, "/ready 200 again", server)
-            long_events = long_run.result(DEADLINE_S)
+            long_lines = long_run.result(DEADLINE_S)
+            plain = long_plain.result(DEADLINE_S)
             waiting = [(p, f.result(DEADLINE_S)) for p, f in zip(prompts, shorts, strict=True)]
-        _check_recovery(server, long_events, waiting)
+        _check_recovery(server, long_lines, waiting)
         m = _metrics(server)
+        # The non-streamed one: a retryable 503 whose Retry-After is the first restart's
+        # estimate (backoff + the first engine's load time + spawn overhead), as no restart
+        # had been measured yet.
+        assert plain.status_code == 503, plain.text
+        _check_engine_restarted(plain.json()["error"])
+        load_s = m["tidal:model_load_seconds"]
+        expected_s = RestartPolicy().backoff_initial_s + load_s + _SPAWN_OVERHEAD_S
+        assert plain.headers["Retry-After"] == str(max(1, math.ceil(expected_s)))
         assert m["tidal:engine_restarts_total"] == 1
         assert m["tidal:engine_up"] == 1
-        assert m["tidal:requests_failed_total{reason=engine_died}"] == 1
+        assert m["tidal:requests_failed_total{reason=engine_died}"] == 2
+        assert "tidal:request_rejected_total{reason=engine_restarted}" not in m
         assert "killed by signal 9" in server.log
     finally:
         server.stop()
+
+
+def test_restart_estimate_is_the_last_measured_restart() -> None:
+    now = [100.0]
+    client = EngineClient(EngineConfig(model=ModelConfig(path="/nowhere")), clock=lambda: now[0])
+    client.info = EngineReady(
+        pid=1, incarnation=0, max_model_len=64, vocab_size=128, num_blocks=8,
+        load_time_s=3.5, device_type="cpu", device_memory_bytes=None,
+    )  # fmt: skip
+    # Nothing measured yet: the first backoff, the load time and the spawn overhead.
+    assert client.restart_estimate_s() == 0.25 + 3.5 + _SPAWN_OVERHEAD_S
+    client.engine_down("died", "the engine process died")
+    now[0] = 106.0
+    client.engine_up(client.info, restarted=True)
+    assert client.last_restart_s == 6.0
+    assert client.restart_estimate_s() == 6.0
+    assert client.engine_pid is None  # never started
+
+
+def test_a_fatal_client_refuses_with_engine_interrupted() -> None:
+    client = EngineClient(EngineConfig(model=ModelConfig(path="/nowhere")))
+    client.supervisor.fatal = "the engine failed 3 times within 300 s; giving up"
+    gen = client.generate([1, 2], SamplingParams(max_tokens=1), "r1")
+    with pytest.raises(EngineInterrupted) as info:
+        asyncio.run(anext(gen))
+    assert info.value.reason == "gave_up" and info.value.retry_after_s is None
 
 
 def test_watchdog_catches_a_hung_engine(
@@ -150,9 +224,9 @@ def test_watchdog_catches_a_hung_engine(
             # Two wait behind the running one: the engine hangs; the watchdog must notice.
             prompts = ["Hello", "Sea"]
             shorts = [pool.submit(_short, server, p) for p in prompts]
-            long_events = long_run.result(DEADLINE_S)
+            long_lines = long_run.result(DEADLINE_S)
             waiting = [(p, f.result(DEADLINE_S)) for p, f in zip(prompts, shorts, strict=True)]
-        _check_recovery(server, long_events, waiting)
+        _check_recovery(server, long_lines, waiting)
         m = _metrics(server)
         assert m["tidal:engine_restarts_total"] == 1
         assert m["tidal:requests_failed_total{reason=engine_hung}"] == 1

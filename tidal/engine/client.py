@@ -33,6 +33,21 @@ log = logging.getLogger(__name__)
 # estimate until a few requests have finished (a rate from one or two would swing wildly).
 _RATE_WINDOW_S = 60.0
 _RATE_MIN_SAMPLES = 4
+# Starting an engine process costs more than loading the model: the interpreter, torch's import
+# and warm-up. Added to the load time for a restart estimate before one has been measured.
+_SPAWN_OVERHEAD_S = 2.0
+
+
+class EngineInterrupted(EngineError):
+    """The engine process died, hung ("died", "hung": it restarts; retrying should succeed) or
+    the restart budget is spent ("gave_up": this server is exiting) while the request ran.
+
+    `retry_after_s` is the estimated time until a new engine serves, None when none will."""
+
+    def __init__(self, message: str, reason: str, retry_after_s: float | None) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)
@@ -46,9 +61,11 @@ class EngineClient:
     """The asyncio face of a supervised engine process; the same public API as AsyncEngine.
 
     When the engine dies or hangs, `alive` turns False at once; requests that already produced
-    output fail with EngineError (counted under reason "engine_died" / "engine_hung"); requests
-    that produced nothing stay queued here and are sent again to the restarted engine. When the
-    restart budget is spent every request fails ("engine_gave_up") and `on_fatal` runs.
+    output fail with EngineInterrupted (counted under reason "engine_died" / "engine_hung");
+    requests that produced nothing stay queued here and are sent again to the restarted engine.
+    When the restart budget is spent every request fails ("engine_gave_up") and `on_fatal` runs.
+    A request the engine itself fails (a step raised) ends with a plain EngineError
+    ("engine_error").
 
     Hooks (all on the event loop): `on_step(StepStats)`, `on_output(RequestOutput)`,
     `on_up(bool)`, `on_restart()`, `on_request_failed(reason)`, `on_fatal()`.
@@ -101,6 +118,8 @@ class EngineClient:
         self._closed = False
         self._clock = clock
         self._finished_at: deque[float] = deque(maxlen=1024)  # clock times of recent finishes
+        self._down_at: float | None = None  # clock time the engine last went down
+        self.last_restart_s: float | None = None  # down -> up of the last restart, measured
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -151,6 +170,22 @@ class EngineClient:
         return self._started and not self._closed and self.supervisor.up
 
     @property
+    def engine_pid(self) -> int | None:
+        """The pid of the engine process while it serves; None while it is down or restarting."""
+        return self.supervisor.pid if self.alive else None
+
+    def restart_estimate_s(self) -> float:
+        """How long until a restarted engine serves: the last restart as measured (down to up),
+        else the coming backoff plus the first engine's load time and the spawn overhead."""
+        if self.last_restart_s is not None:
+            return self.last_restart_s
+        budget = self.supervisor.budget
+        p = budget.policy
+        backoff_s = min(p.backoff_max_s, p.backoff_initial_s * 2**budget.num_recent)
+        load_s = self.info.load_time_s if self.info is not None else 0.0
+        return backoff_s + load_s + _SPAWN_OVERHEAD_S
+
+    @property
     def fatal(self) -> str | None:
         """Why the supervisor gave up, or None."""
         return self.supervisor.fatal
@@ -190,7 +225,9 @@ class EngineClient:
 
         While the engine restarts a new request waits here and runs on the new engine.
         """
-        if not self._started or self._closed or self.fatal is not None:
+        if self.fatal is not None:
+            raise EngineInterrupted(self.fatal, "gave_up", None)
+        if not self._started or self._closed:
             raise EngineError("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id={request_id!r} is invalid: it is already in use")
@@ -253,6 +290,7 @@ class EngineClient:
                 error = ValueError(f.message)
             else:
                 error = EngineError(f.message)
+                self._count_failed("engine_error")
             stream.queue.put_nowait(error)
         if msg.stats is not None:
             self._stats = msg.stats
@@ -262,7 +300,12 @@ class EngineClient:
     def engine_down(self, reason: str, detail: str) -> None:
         if self.on_up is not None:
             self.on_up(False)
-        error = EngineError(f"{detail}; the request was interrupted and cannot be resumed")
+        self._down_at = self._clock()
+        error = EngineInterrupted(
+            f"{detail}; the request was interrupted and cannot be resumed",
+            reason,
+            self.restart_estimate_s(),
+        )
         failed = kept = 0
         for request_id, stream in list(self._streams.items()):
             if stream.started:
@@ -279,6 +322,8 @@ class EngineClient:
 
     def engine_up(self, ready: EngineReady, restarted: bool) -> None:
         self.info = ready
+        if restarted and self._down_at is not None:
+            self.last_restart_s = self._clock() - self._down_at
         for stream in self._streams.values():
             self.supervisor.send(stream.add)
         if restarted and self.on_restart is not None:
@@ -287,7 +332,7 @@ class EngineClient:
             self.on_up(True)
 
     def engine_fatal(self, detail: str) -> None:
-        self._fail_all(EngineError(detail), reason="engine_gave_up")
+        self._fail_all(EngineInterrupted(detail, "gave_up", None), reason="engine_gave_up")
         if self.on_fatal is not None:
             self.on_fatal()
 

@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 # Rejections counted in tidal:request_rejected_total: statuses that mean "not served".
 _REJECTED_STATUSES = (400, 401, 404, 413, 429, 503)
+# 503s for requests the engine had started are failures (tidal:requests_failed_total), not refusals.
+_FAILED_CODES = ("engine_restarted", "engine_unavailable")
 _WARMUP_PROMPT = "Hello"
 # The signal handler only sets state.draining; the drain cut notices it within this long.
 _DRAIN_POLL_S = 0.1
@@ -72,7 +74,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
-        if exc.status in _REJECTED_STATUSES:
+        if exc.status in _REJECTED_STATUSES and exc.code not in _FAILED_CODES:
             state.metrics.rejected.labels(reason=exc.code or str(exc.status)).inc()
         return Response(exc.body(), exc.status, exc.headers, media_type="application/json")
 

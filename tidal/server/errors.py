@@ -140,6 +140,33 @@ def not_ready(reason: str = "The model is still loading", retry_after_s: float =
     )
 
 
+def engine_restarted(retry_after_s: float, request_id: str | None = None) -> APIError:
+    """503: the engine process died or hung while the request ran and is restarting; retry it."""
+    ref = f" (request {request_id})" if request_id else ""
+    return APIError(
+        503,
+        f"The engine restarted while the request was running{ref}; its output so far is lost. "
+        "Retry the request.",
+        "server_error",
+        None,
+        "engine_restarted",
+        _retry_after(retry_after_s),
+    )
+
+
+def engine_unavailable(request_id: str | None = None) -> APIError:
+    """503: the engine failed too often and this server is exiting; retry on another replica."""
+    ref = f" (request {request_id})" if request_id else ""
+    return APIError(
+        503,
+        f"The engine failed repeatedly and this server is shutting down{ref}. Retry the "
+        "request on another replica.",
+        "server_error",
+        None,
+        "engine_unavailable",
+    )
+
+
 def deadline_exceeded(timeout_s: float) -> APIError:
     """504: the request's deadline (its timeout_s or server.request_timeout_s) passed."""
     return APIError(
@@ -152,7 +179,8 @@ def deadline_exceeded(timeout_s: float) -> APIError:
 
 
 def internal_error(request_id: str | None = None) -> APIError:
-    """500: an engine failure; the detail goes to the log under request_id, not to the client."""
+    """500: a fault inside the server or the engine (a step raised), not a restart; the detail
+    goes to the log under request_id, not to the client."""
     ref = f" (request {request_id})" if request_id else ""
     return APIError(
         500,

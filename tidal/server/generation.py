@@ -11,17 +11,20 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from tidal.engine.async_engine import EngineError, QueueFullError
+from tidal.engine.client import EngineInterrupted
 from tidal.engine.output import Logprob, RequestOutput
 from tidal.engine.sampling_params import SamplingParams
 from tidal.server.errors import (
     APIError,
     bad_request,
     deadline_exceeded,
+    engine_restarted,
+    engine_unavailable,
     internal_error,
     not_ready,
     queue_full,
 )
-from tidal.server.guards import check_deadline, retry_after_s
+from tidal.server.guards import MAX_RETRY_AFTER_S, check_deadline, retry_after_s
 from tidal.server.inputs import PromptInput
 from tidal.server.responses import UsageInfo
 from tidal.server.state import ServerState
@@ -100,18 +103,22 @@ class GenerationJob:
         except ValueError as e:
             reason = None
             out_q.put_nowait((i, bad_request(str(e), "prompt", "invalid_value")))
-        except EngineError:
+        except EngineError as e:
             reason = "error"
-            # Past the drain timeout the server ends what still runs (app.py's drain cut).
-            err = (
-                not_ready("The server is shutting down")
-                if state.draining
-                else internal_error(self.request_id)
-            )
-            out_q.put_nowait((i, err))
+            out_q.put_nowait((i, self._engine_error(e)))
         finally:
             if reason is not None:
                 tracker.finish(reason)
+
+    def _engine_error(self, e: EngineError) -> APIError:
+        if self.state.draining:
+            # Past the drain timeout the server ends what still runs (app.py's drain cut).
+            return not_ready("The server is shutting down")
+        if isinstance(e, EngineInterrupted):
+            if e.retry_after_s is None:
+                return engine_unavailable(self.request_id)
+            return engine_restarted(min(e.retry_after_s, MAX_RETRY_AFTER_S), self.request_id)
+        return internal_error(self.request_id)
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta output) from every prompt, as they come; raises APIError.
