@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tidal.engine.client import EngineClient
 from tidal.engine.sampling_params import SamplingParams
 from tidal.server.errors import APIError, bad_request, internal_error, not_found, not_ready
 from tidal.server.generation import ClientGone
@@ -71,6 +72,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="tidal", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tidal = state
+    engine = state.engine
+    if isinstance(engine, EngineClient):
+        state.metrics.watch_engine(lambda: engine.engine_pid)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:

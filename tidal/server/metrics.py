@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import psutil
 from prometheus_client import (
@@ -61,10 +62,30 @@ class ServerMetrics:
         self.engine_restarts = Counter("tidal:engine_restarts", "Engine processes restarted after dying or hanging.", registry=r)  # fmt: skip
         self.engine_up = Gauge("tidal:engine_up", "1 while the engine is running, 0 while it is down or restarting.", registry=r)  # fmt: skip
         self.requests_failed = Counter("tidal:requests_failed", "Engine requests failed by an engine failure, by reason.", ["reason"], registry=r)  # fmt: skip
+        self.engine_memory = Gauge("tidal:engine_process_memory_bytes", "Resident memory of the engine process; 0 while none runs (or the engine runs in the server process).", registry=r)  # fmt: skip
         self._process = psutil.Process(os.getpid())
         self._device_memory_bytes = device_memory_bytes
+        self._engine_pid: Callable[[], int | None] = lambda: None
+        self._engine_process: psutil.Process | None = None
         self.process_memory.set_function(lambda: float(self._process.memory_info().rss))
+        self.engine_memory.set_function(self._engine_rss)
         self.memory_fraction.set_function(self._memory_fraction)
+
+    def watch_engine(self, engine_pid: Callable[[], int | None]) -> None:
+        """Report the RSS of the process `engine_pid()` names (None while no engine runs)."""
+        self._engine_pid = engine_pid
+
+    def _engine_rss(self) -> float:
+        # Read at scrape time only: one /proc read; the Process object is kept per pid.
+        pid = self._engine_pid()
+        if pid is None:
+            return 0.0
+        try:
+            if self._engine_process is None or self._engine_process.pid != pid:
+                self._engine_process = psutil.Process(pid)
+            return float(self._engine_process.memory_info().rss)
+        except psutil.Error:  # it died between the pid lookup and the read
+            return 0.0
 
     def _memory_fraction(self) -> float:
         try:
