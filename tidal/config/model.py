@@ -25,6 +25,9 @@ class ModelConfig:
     served_model_name: str | None = None
     # Weight format after loading (tidal.quant): "none", "int8", "int4" or "fp8".
     quantization: str = "none"
+    # Save a GGUF's dequantized weights beside it (~4 bytes per parameter in float32: ~1.1 GB for
+    # the bundled 270M model) so a restarted engine memory-maps them instead of dequantizing.
+    weight_cache: bool = True
 
     def __post_init__(self) -> None:
         check(
@@ -45,6 +48,12 @@ class ModelConfig:
             "served_model_name",
             self.served_model_name,
             "a non-empty name or None",
+        )
+        check(
+            isinstance(self.weight_cache, bool),
+            "weight_cache",
+            self.weight_cache,
+            "true or false",
         )
         check(
             self.quantization in QUANTIZATIONS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,8 @@ from torch import nn
 from tidal.layers.rotary import RotaryEmbedding, inv_frequencies
 from tidal.models.arch import ArchConfig, arch_from_gguf, arch_from_hf
 from tidal.models.registry import model_class
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -27,20 +30,28 @@ class LoadedModel:
 
 def read_arch(path: str | Path) -> tuple[ArchConfig, str | None]:
     """The ArchConfig of a checkpoint, and the GGUF architecture name for GGUF files."""
-    p = Path(path)
+    arch, gguf_arch, _ = _read_header(Path(path))
+    return arch, gguf_arch
+
+
+def _read_header(p: Path) -> tuple[ArchConfig, str | None, torch.Tensor | None]:
+    """ArchConfig, GGUF architecture name and llama.cpp rope frequency factors, from one open
+    (parsing a GGUF's 262k-token vocabulary costs ~0.2 s each time)."""
     if p.is_dir():
         config = p / "config.json"
         if not config.exists():
             raise ValueError(
                 f"{p} is a directory without config.json; expected a HF model directory"
             )
-        return arch_from_hf(json.loads(config.read_text())), None
+        return arch_from_hf(json.loads(config.read_text())), None, None
     if not p.exists():
         raise ValueError(f"model path {str(p)!r} does not exist")
     from tidal.loader.gguf_file import GGUFFile
 
     with GGUFFile(p) as f:
-        return arch_from_gguf(f.metadata, "output.weight" in f.tensors), f.architecture()
+        arch = arch_from_gguf(f.metadata, "output.weight" in f.tensors)
+        freqs = f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
+        return arch, f.architecture(), freqs
 
 
 def kv_group_of_layers(arch: ArchConfig) -> list[int]:
@@ -58,17 +69,81 @@ def kv_group_of_layers(arch: ArchConfig) -> list[int]:
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    *,
+    weight_cache: bool = True,
 ) -> LoadedModel:
     """Build the model on the meta device and assign the checkpoint's tensors, so peak memory stays
-    near one copy of the weights."""
+    near one copy of the weights.
+
+    With `weight_cache` a GGUF's tensors, once dequantized and renamed, are saved beside it
+    (tidal.loader.weight_cache) and later loads memory-map that file instead of dequantizing;
+    the tensors are bit-identical either way.
+    """
     start = time.perf_counter()
     p = Path(path)
     device = torch.device(device)
-    arch, gguf_arch = read_arch(p)
+    arch, gguf_arch, freq_factors = _read_header(p)
     with torch.device("meta"):
         model = model_class(arch)(arch, kv_group_of_layers(arch))
     expected = dict(model.state_dict(keep_vars=True))
+    use_cache = weight_cache and not p.is_dir()
+    state: dict[str, torch.Tensor] | None = None
+    if use_cache:
+        from tidal.loader.weight_cache import load_weight_cache, weight_cache_key
+
+        key = weight_cache_key(p, dtype)  # before reading: a GGUF replaced mid-load goes stale
+        state = load_weight_cache(p, dtype, key)
+        if state is not None and not _fits(state, expected, dtype):
+            log.warning("weight cache of %s does not fit the model; loading the GGUF", p.name)
+            state = None
+    source = "weight cache" if state is not None else "checkpoint"
+    if state is None:
+        state = _read_state(p, arch, gguf_arch, expected, dtype, device)
+        if use_cache:
+            from tidal.loader.weight_cache import save_weight_cache
+
+            save_weight_cache(p, dtype, key, state)
+    elif device.type != "cpu":
+        state = {name: t.to(device) for name, t in state.items()}
+    weights_s = time.perf_counter() - start
+    missing = [
+        n for n in expected if n not in state and not (n == "lm_head.weight" and _tied(model))
+    ]
+    if missing:
+        raise ValueError(f"{p}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    if _tied(model):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    for module in model.modules():  # non-persistent buffers are still on meta
+        if isinstance(module, RotaryEmbedding):
+            inv_freq = inv_frequencies(module.head_dim, module.rope)
+            if freq_factors is not None:
+                inv_freq = inv_freq / freq_factors  # llama.cpp's form of Llama 3.1 rope scaling
+            module.inv_freq = inv_freq.to(device)
+    model.eval().requires_grad_(False)
+    load_time_s = time.perf_counter() - start
+    log.info(
+        "model loaded from %s in %.2f s (weights from the %s in %.2f s)",
+        p.name,
+        load_time_s,
+        source,
+        weights_s,
+    )
+    return LoadedModel(model, arch, p, dtype, device, load_time_s)
+
+
+def _read_state(
+    p: Path,
+    arch: ArchConfig,
+    gguf_arch: str | None,
+    expected: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors the model uses, renamed, shape-checked, in `dtype` on `device`."""
     if p.is_dir():
         from tidal.loader.weights import iter_safetensors_weights
 
@@ -88,30 +163,17 @@ def load_model(
         state[name] = tensor.to(device=device, dtype=dtype)
     if arch.tie_word_embeddings or arch.family == "gemma3":
         state.pop("lm_head.weight", None)
-    missing = [
-        n for n in expected if n not in state and not (n == "lm_head.weight" and _tied(model))
-    ]
-    if missing:
-        raise ValueError(f"{p}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    model.load_state_dict(state, strict=False, assign=True)
-    if _tied(model):
-        model.lm_head.weight = model.model.embed_tokens.weight
-    freq_factors = _gguf_rope_freqs(p) if not p.is_dir() else None
-    for module in model.modules():  # non-persistent buffers are still on meta
-        if isinstance(module, RotaryEmbedding):
-            inv_freq = inv_frequencies(module.head_dim, module.rope)
-            if freq_factors is not None:
-                inv_freq = inv_freq / freq_factors  # llama.cpp's form of Llama 3.1 rope scaling
-            module.inv_freq = inv_freq.to(device)
-    model.eval().requires_grad_(False)
-    return LoadedModel(model, arch, p, dtype, device, time.perf_counter() - start)
+    return state
 
 
-def _gguf_rope_freqs(path: Path) -> torch.Tensor | None:
-    from tidal.loader.gguf_file import GGUFFile
-
-    with GGUFFile(path) as f:
-        return f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
+def _fits(
+    state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], dtype: torch.dtype
+) -> bool:
+    """Every cached tensor is one the model has, with its shape and the wanted dtype."""
+    return all(
+        name in expected and t.shape == expected[name].shape and t.dtype == dtype
+        for name, t in state.items()
+    )
 
 
 def _tied(model: nn.Module) -> bool:
