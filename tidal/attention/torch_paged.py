@@ -6,19 +6,27 @@ import torch
 import torch.nn.functional as F
 
 from tidal.attention.metadata import AttentionMetadata
+from tidal.quant.kv_quant import QuantizedKV
+
+# A layer's K or V pages: a float tensor, or 8-bit pages with scales (memory.kv_cache_dtype).
+KVPages = torch.Tensor | QuantizedKV
 
 
 class TorchPagedAttention:
     """Writes the step's K/V into the pool through the slot mapping, then attends each query to
-    the keys it may see: positions <= its own and, for a sliding layer of window W, > pos - W."""
+    the keys it may see: positions <= its own and, for a sliding layer of window W, > pos - W.
+
+    With 8-bit pages the step's K/V are quantized on the write and every read (the step's own
+    tokens included) dequantizes the gathered pages, so a prefix-cache hit sees the same values
+    as the step that computed them."""
 
     def forward(
         self,
         q: torch.Tensor,  # (T, H, D)
         k: torch.Tensor,  # (T, KVH, D)
         v: torch.Tensor,  # (T, KVH, D)
-        k_cache: torch.Tensor,  # (num_blocks, block_size, KVH, D)
-        v_cache: torch.Tensor,
+        k_cache: KVPages,  # (num_blocks, block_size, KVH, D)
+        v_cache: KVPages,
         meta: AttentionMetadata,
         group: int,
         window: int | None,
@@ -28,8 +36,8 @@ class TorchPagedAttention:
         tables = meta.groups[group]
         bs = meta.block_size
         kvh, dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, kvh, dim).index_copy_(0, tables.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kvh, dim).index_copy_(0, tables.slot_mapping, v.to(v_cache.dtype))
+        _write(k_cache, tables.slot_mapping, k)
+        _write(v_cache, tables.slot_mapping, v)
         if meta.all_decode and softcap is None:
             return self._decode(q, k_cache, v_cache, meta, tables.block_tables, window, scale)
         out = torch.empty_like(q)
@@ -39,10 +47,12 @@ class TorchPagedAttention:
             lo = 0 if window is None else max(0, first_q - window + 1)
             b0, b1 = lo // bs, (ctx - 1) // bs + 1
             blocks = tables.block_tables[i, b0:b1]
-            keys = k_cache[blocks].reshape(-1, kvh, dim)[
+            keys = _pages(k_cache, blocks, q.dtype).reshape(-1, kvh, dim)[
                 lo - b0 * bs : ctx - b0 * bs
             ]  # (S, KVH, D)
-            vals = v_cache[blocks].reshape(-1, kvh, dim)[lo - b0 * bs : ctx - b0 * bs]
+            vals = _pages(v_cache, blocks, q.dtype).reshape(-1, kvh, dim)[
+                lo - b0 * bs : ctx - b0 * bs
+            ]
             q_pos = torch.arange(first_q, ctx, device=q.device)[:, None]  # (n_q, 1)
             k_pos = torch.arange(lo, ctx, device=q.device)[None, :]  # (1, S)
             allowed = k_pos <= q_pos
@@ -55,8 +65,8 @@ class TorchPagedAttention:
     def _decode(
         self,
         q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        k_cache: KVPages,
+        v_cache: KVPages,
         meta: AttentionMetadata,
         block_tables: torch.Tensor,
         window: int | None,
@@ -71,8 +81,8 @@ class TorchPagedAttention:
         b0 = int((lo // bs).min())
         b1 = int((ctx.max() - 1) // bs + 1)
         blocks = block_tables[:, b0:b1]  # (B, nb)
-        keys = k_cache[blocks].reshape(num_seqs, -1, kvh, dim)  # (B, S, KVH, D)
-        vals = v_cache[blocks].reshape(num_seqs, -1, kvh, dim)
+        keys = _pages(k_cache, blocks, q.dtype).reshape(num_seqs, -1, kvh, dim)  # (B, S, KVH, D)
+        vals = _pages(v_cache, blocks, q.dtype).reshape(num_seqs, -1, kvh, dim)
         k_pos = torch.arange(b0 * bs, b1 * bs, device=q.device)[None, :]  # (1, S)
         allowed = (k_pos < ctx[:, None]) & (k_pos >= lo[:, None])  # (B, S)
         mask = allowed[:, None, None, :]  # (B, 1, 1, S)
@@ -85,6 +95,22 @@ class TorchPagedAttention:
             enable_gqa=heads != kvh,
         )
         return o[:, :, 0, :]  # (B, H, D)
+
+
+def _write(cache: KVPages, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+    """Store x (T, KVH, D) at the flat slots (block_id * block_size + offset)."""
+    if isinstance(cache, QuantizedKV):
+        cache.write(slot_mapping, x)
+        return
+    kvh, dim = cache.shape[2], cache.shape[3]
+    cache.view(-1, kvh, dim).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def _pages(cache: KVPages, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The pages `blocks` as floats: blocks.shape + (block_size, KVH, D)."""
+    if isinstance(cache, QuantizedKV):
+        return cache.gather(blocks, dtype)
+    return cache[blocks]
 
 
 def _attend(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.config._check import check
+from tidal.kv.layout import KV_CACHE_DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,11 +25,65 @@ class CacheConfig:
     prefix_ttl_s: float = 300.0
     # Requests with a session id keep their last N turns ahead of anonymous blocks (cache_window).
     session_turns: int = 4
+    # KV storage: "auto" is the model's dtype; "int8" / "fp8" (e4m3) hold about twice the tokens
+    # of bfloat16 (4x float32) in the same bytes, with a per-token, per-head scale.
+    kv_cache_dtype: str = "auto"
+    # NOTE: the two gate switches below cover model.quantization too; they sit here because this
+    # session owns only this config section (see docs/quantization.md).
+    # Run the accuracy gate (tidal quantize-check) before serving a quantized model or KV cache.
+    quantization_gate: bool = True
+    # The largest perplexity rise (percent) the gate accepts.
+    quantization_gate_threshold_pct: float = 1.0
+    # Score only the first N held-out tokens (None: all of them, ~4k on Gemma 3); fewer is a
+    # faster, noisier gate, meant for tests and quick experiments.
+    quantization_gate_max_tokens: int | None = None
+    # Serve even when the gate measures a perplexity rise past the threshold.
+    force_quantization: bool = False
 
     def __post_init__(self) -> None:
-        check(self.block_size > 0 and self.block_size % 8 == 0, "block_size", self.block_size, "a positive multiple of 8")
-        check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", self.kv_cache_bytes, "a positive integer or None")
-        check(0.0 < self.memory_fraction <= 1.0, "memory_fraction", self.memory_fraction, "a number in (0, 1]")
-        check(self.max_cpu_kv_bytes > 0, "max_cpu_kv_bytes", self.max_cpu_kv_bytes, "a positive integer")
-        check(self.prefix_ttl_s > 0, "prefix_ttl_s", self.prefix_ttl_s, "a positive number of seconds")
+        check(
+            self.block_size > 0 and self.block_size % 8 == 0,
+            "block_size",
+            self.block_size,
+            "a positive multiple of 8",
+        )
+        check(
+            self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+            "kv_cache_bytes",
+            self.kv_cache_bytes,
+            "a positive integer or None",
+        )
+        check(
+            0.0 < self.memory_fraction <= 1.0,
+            "memory_fraction",
+            self.memory_fraction,
+            "a number in (0, 1]",
+        )
+        check(
+            self.max_cpu_kv_bytes > 0,
+            "max_cpu_kv_bytes",
+            self.max_cpu_kv_bytes,
+            "a positive integer",
+        )
+        check(
+            self.prefix_ttl_s > 0, "prefix_ttl_s", self.prefix_ttl_s, "a positive number of seconds"
+        )
         check(self.session_turns >= 0, "session_turns", self.session_turns, "an integer >= 0")
+        check(
+            self.quantization_gate_threshold_pct >= 0,
+            "quantization_gate_threshold_pct",
+            self.quantization_gate_threshold_pct,
+            "a percentage >= 0",
+        )
+        check(
+            self.quantization_gate_max_tokens is None or self.quantization_gate_max_tokens >= 2,
+            "quantization_gate_max_tokens",
+            self.quantization_gate_max_tokens,
+            "an integer >= 2 or None",
+        )
+        check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            "kv_cache_dtype",
+            self.kv_cache_dtype,
+            f"one of {', '.join(KV_CACHE_DTYPES)}",
+        )

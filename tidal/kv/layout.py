@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd
 
+# The KV cache's storage choices: "auto" keeps the model's float dtype; the 8-bit ones store one
+# byte per element plus one float32 scale per (token, KV head), see tidal.quant.kv_quant.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_SCALE_BYTES = 4
+
 
 @dataclass(frozen=True, slots=True)
 class KVGroupSpec:
@@ -30,7 +35,12 @@ class KVLayout:
     block_size: int
     num_kv_heads: int
     head_dim: int
-    dtype_bytes: int
+    dtype_bytes: int  # bytes per element of the model's float dtype ("auto" storage)
+    kv_dtype: str = "auto"
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype != "auto"
 
     @property
     def layers_per_group(self) -> int:
@@ -42,8 +52,15 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one block id across the pool (K and V for layers_per_group layers)."""
-        return 2 * self.layers_per_group * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """Bytes of one block id across the pool (K and V for layers_per_group layers).
+
+        8-bit storage: head_dim bytes plus one float32 scale per (token, KV head), so a page of
+        head_dim 256 is 260/512 of float16's (1.97x the blocks) and 260/1024 of float32's."""
+        if self.quantized:
+            per_head = self.head_dim + KV_SCALE_BYTES
+        else:
+            per_head = self.head_dim * self.dtype_bytes
+        return 2 * self.layers_per_group * self.block_size * self.num_kv_heads * per_head
 
     def layer_slot(self, layer_id: int) -> tuple[int, int]:
         """(group index, slot within the page) of a layer."""
@@ -60,10 +77,15 @@ class KVLayout:
         num_kv_heads: int,
         head_dim: int,
         dtype_bytes: int,
+        kv_dtype: str = "auto",
     ) -> KVLayout:
         """Group layers by window; each group holds gcd(class sizes) layers, in layer order."""
         if block_size <= 0:
             raise ValueError(f"block_size={block_size} is invalid: expected a positive integer")
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype={kv_dtype!r} is invalid: expected one of {', '.join(KV_CACHE_DTYPES)}"
+            )
         classes: dict[int | None, list[int]] = {}
         for layer_id, window in enumerate(windows):
             classes.setdefault(window, []).append(layer_id)
@@ -76,4 +98,4 @@ class KVLayout:
                 groups.append(KVGroupSpec(tuple(layer_ids[i : i + size]), window))
         # Full-attention groups first: they decide prefix-cache hits, see kv/manager.py.
         groups.sort(key=lambda g: (g.sliding_window is not None, g.layer_ids[0]))
-        return KVLayout(tuple(groups), block_size, num_kv_heads, head_dim, dtype_bytes)
+        return KVLayout(tuple(groups), block_size, num_kv_heads, head_dim, dtype_bytes, kv_dtype)

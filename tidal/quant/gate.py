@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tidal.kv.layout import KV_CACHE_DTYPES
 from tidal.models.arch import ArchConfig
 from tidal.quant.registry import SCHEMES, QuantSummary, check_scheme, quantize_model
 
@@ -51,8 +52,11 @@ class GateReport:
         )
 
 
-class GateFailed(RuntimeError):
-    """Perplexity rose more than the threshold and the caller did not force the scheme."""
+class GateFailed(ValueError):
+    """Perplexity rose more than the threshold and the caller did not force the scheme.
+
+    A ValueError: like any other setting the engine cannot honour, `tidal serve` reports it and
+    exits 2 rather than printing a traceback."""
 
 
 def heldout_text(path: Path = HELDOUT_PATH) -> str:
@@ -75,9 +79,14 @@ def score_tokens(
     ids: list[int],
     context_tokens: int,
     piece_tokens: int = PIECE_TOKENS,
+    kv_cache_dtype: str = "auto",
 ) -> TokenScores:
     """Split `ids` into chunks of `context_tokens`, run each as its own sequence through the paged
-    model, and score every position's prediction of the next token inside its chunk."""
+    model, and score every position's prediction of the next token inside its chunk.
+
+    Each chunk is prefilled `piece_tokens` at a time through a paged KV pool stored as
+    `kv_cache_dtype`, so later pieces read earlier ones' keys and values back from the cache as
+    serving does (an 8-bit cache changes these scores)."""
     from tidal.attention.metadata import build_metadata
     from tidal.kv.layout import KVLayout
     from tidal.worker.kv_cache import allocate_kv_caches
@@ -93,6 +102,7 @@ def score_tokens(
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
         dtype_bytes=kv_dtype.itemsize,
+        kv_dtype=kv_cache_dtype,
     )
     blocks = -(-context_tokens // BLOCK_SIZE)
     num_groups = len(layout.groups)
@@ -149,14 +159,24 @@ def compare(
     )
 
 
+def mode_name(scheme: str, kv_cache_dtype: str) -> str:
+    """How a report names what it measured: "int8", "kv-fp8", "int4+kv-int8"."""
+    parts = ([scheme] if scheme != "none" else []) + (
+        [f"kv-{kv_cache_dtype}"] if kv_cache_dtype != "auto" else []
+    )
+    return "+".join(parts) or "none"
+
+
 def run_gate(
     model_path: str | Path | None,
     scheme: str,
     threshold_pct: float = 1.0,
     context_tokens: int | None = None,
     max_tokens: int | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> GateReport:
-    """Score the held-out text with the float model, quantize it in place, score again.
+    """Score the held-out text with the float model and float KV cache, quantize the weights in
+    place (scheme "none" leaves them) and score again through a `kv_cache_dtype` KV cache.
 
     `model_path` None means the bundled model; `context_tokens` None takes min(the model's context,
     4096); `max_tokens` truncates the held-out text (tests, quick checks)."""
@@ -164,6 +184,11 @@ def run_gate(
     from tidal.loader.tokenizer import load_tokenizer
 
     check_scheme(scheme)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is invalid: expected one of "
+            f"{', '.join(KV_CACHE_DTYPES)}"
+        )
     if not threshold_pct >= 0:
         raise ValueError(f"threshold_pct={threshold_pct!r} is invalid: expected a number >= 0")
     if model_path is None:
@@ -176,9 +201,9 @@ def run_gate(
         ids = ids[:max_tokens]
     context = context_tokens or min(loaded.arch.max_position_embeddings, 4096)
     ref = score_tokens(loaded.model, loaded.arch, ids, context)
-    summary = quantize_model(loaded.model, scheme)
-    quant = score_tokens(loaded.model, loaded.arch, ids, context)
-    report = compare(ref, quant, scheme, context, threshold_pct)
+    summary = quantize_model(loaded.model, scheme) if scheme != "none" else None
+    quant = score_tokens(loaded.model, loaded.arch, ids, context, kv_cache_dtype=kv_cache_dtype)
+    report = compare(ref, quant, mode_name(scheme, kv_cache_dtype), context, threshold_pct)
     report.summary = summary
     return report
 
@@ -195,7 +220,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="perplexity and top-1 agreement of a quantized model vs float on held-out text",
     )
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled)")
-    p.add_argument("--quantization", required=True, choices=[s for s in SCHEMES if s != "none"])
+    p.add_argument("--quantization", default="none", choices=SCHEMES, help="weight format")
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache storage"
+    )
     p.add_argument("--threshold-pct", type=float, default=1.0, help="allowed perplexity rise, %%")
     p.add_argument("--context-tokens", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
@@ -208,9 +236,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.quantization == "none" and args.kv_cache_dtype == "auto":
+        raise ValueError(
+            "quantize-check needs --quantization int8|int4|fp8 or --kv-cache-dtype int8|fp8: "
+            "with neither there is nothing to compare against the float model"
+        )
     start = time.perf_counter()
     report = run_gate(
-        args.model, args.quantization, args.threshold_pct, args.context_tokens, args.max_tokens
+        args.model,
+        args.quantization,
+        args.threshold_pct,
+        args.context_tokens,
+        args.max_tokens,
+        args.kv_cache_dtype,
     )
     print(report.line())
     if report.summary is not None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from tidal.kv.layout import KVLayout
+from tidal.quant.kv_quant import QuantizedKV, allocate_quantized_pool
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+# Per layer (k_cache, v_cache): float tensors, or QuantizedKV pages when layout.kv_dtype is 8-bit.
+KVCache = tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedKV, QuantizedKV]
 
 
 def allocate_kv_caches(
@@ -17,21 +19,28 @@ def allocate_kv_caches(
     The pool is (layers_per_group, 2, num_blocks, block_size, KVH, D): layer j of every group uses
     slot j, so a block id owned by group g only ever holds g's layers. Zero-filled, because the
     null block 0 is read (and masked out) by sliding layers, and 0 * NaN would poison the output.
+    `dtype` is the float storage of layout.kv_dtype "auto"; an 8-bit layout ignores it.
     """
-    pool = torch.zeros(
-        (
-            layout.layers_per_group,
-            2,
-            num_blocks,
-            layout.block_size,
-            layout.num_kv_heads,
-            layout.head_dim,
-        ),
-        dtype=dtype,
-        device=device,
+    shape = (
+        layout.layers_per_group,
+        2,
+        num_blocks,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
     )
+    if layout.quantized:
+        data, scale = allocate_quantized_pool(*shape[:1], *shape[2:], layout.kv_dtype, device)
+    else:
+        pool = torch.zeros(shape, dtype=dtype, device=device)
     caches: list[KVCache] = [None] * layout.num_layers  # type: ignore[list-item]
     for spec in layout.groups:
         for slot, layer_id in enumerate(spec.layer_ids):
-            caches[layer_id] = (pool[slot, 0], pool[slot, 1])
+            if layout.quantized:
+                caches[layer_id] = (
+                    QuantizedKV(data[slot, 0], scale[slot, 0], layout.kv_dtype),
+                    QuantizedKV(data[slot, 1], scale[slot, 1], layout.kv_dtype),
+                )
+            else:
+                caches[layer_id] = (pool[slot, 0], pool[slot, 1])
     return caches

@@ -1,0 +1,67 @@
+"""Bytes per KV page for each memory.kv_cache_dtype, and the blocks a budget holds (exact)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.config.cache import CacheConfig
+from tidal.kv.block_pool import num_blocks_for_budget
+from tidal.kv.layout import KVLayout
+
+GIB = 1 << 30
+# Gemma 3 270M: 18 layers, 3 full + 15 sliding (window 512) -> groups of 3; 1 KV head of 256.
+GEMMA_WINDOWS = ([512] * 5 + [None]) * 3
+
+
+def gemma_layout(dtype_bytes: int, kv_dtype: str = "auto") -> KVLayout:
+    return KVLayout.from_layer_windows(
+        GEMMA_WINDOWS,
+        block_size=16,
+        num_kv_heads=1,
+        head_dim=256,
+        dtype_bytes=dtype_bytes,
+        kv_dtype=kv_dtype,
+    )
+
+
+def test_page_bytes_count_the_scales() -> None:
+    # 2 (K, V) * 3 layers * 16 tokens * 1 head * bytes per head
+    assert gemma_layout(4).page_bytes == 2 * 3 * 16 * 256 * 4 == 98304
+    assert gemma_layout(2).page_bytes == 2 * 3 * 16 * 256 * 2 == 49152
+    for kv in ("int8", "fp8"):
+        # 256 one-byte elements + one float32 scale per (token, head); dtype_bytes is irrelevant.
+        assert gemma_layout(4, kv).page_bytes == 2 * 3 * 16 * (256 + 4) == 24960
+        assert gemma_layout(2, kv).page_bytes == 24960
+
+
+def test_blocks_in_the_default_cpu_budget() -> None:
+    budget = CacheConfig().max_cpu_kv_bytes
+    assert budget == GIB
+    fp32 = num_blocks_for_budget(gemma_layout(4), budget)
+    bf16 = num_blocks_for_budget(gemma_layout(2), budget)
+    int8 = num_blocks_for_budget(gemma_layout(2, "int8"), budget)
+    assert (fp32, bf16, int8) == (10922, 21845, 43018)
+    # 43018 * 16 = 688288 tokens of context in 1 GiB, vs 349520 in bfloat16.
+    assert int8 / bf16 == pytest.approx(512 / 260, rel=1e-3)  # 1.97x
+    assert int8 / fp32 == pytest.approx(1024 / 260, rel=1e-3)  # 3.94x
+
+
+def test_small_head_dim_pays_relatively_more_for_scales() -> None:
+    # head_dim 64 (Llama-style tiny heads): 68 vs 128 bytes per (token, head) -> 1.88x of float16.
+    f16 = KVLayout.from_layer_windows(
+        [None], block_size=16, num_kv_heads=8, head_dim=64, dtype_bytes=2
+    )
+    i8 = KVLayout.from_layer_windows(
+        [None], block_size=16, num_kv_heads=8, head_dim=64, dtype_bytes=2, kv_dtype="int8"
+    )
+    assert (f16.page_bytes, i8.page_bytes) == (2 * 16 * 8 * 128, 2 * 16 * 8 * 68)
+    assert num_blocks_for_budget(i8, 1 << 20) == (1 << 20) // 17408 == 60
+
+
+def test_unknown_kv_dtype_is_refused() -> None:
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='int4' is invalid: expected one of auto, int8, fp8"
+    ):
+        gemma_layout(2, "int4")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is invalid: expected one of auto"):
+        CacheConfig(kv_cache_dtype="fp16")
