@@ -20,6 +20,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection
 
 from tidal.config.engine import EngineConfig
@@ -69,19 +70,28 @@ def run_engine_process(
     warmup: bool,
     fault: str | None,
     log_level: int = logging.INFO,
+    spawned_at: float | None = None,
 ) -> None:
-    """The engine process's entry point (a top-level function, so "spawn" can import it)."""
-    logging.basicConfig(
-        level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s"
-    )
+    """The engine process's entry point (a top-level function, so "spawn" can import it).
+
+    `spawned_at` is the parent's `time.time()` when it spawned this process; it lets the phase
+    log line below tell the interpreter's own start-up apart from ours. A standby process
+    (tidal.supervisor.standby) calls this with None once it is told to start.
+    """
+    entered_at = time.time()
+    setup_logging(log_level)
     if fault == "exit_on_start":
         os._exit(FAULT_EXIT_CODE)
     from tidal.engine.builder import build_engine
 
+    phases = _Phases(entered_at)
+    phases.mark("import")
     try:
         core = build_engine(config, progress=log.info)
+        phases.mark("build")
         if warmup:
             _warm_up(core)
+            phases.mark("warmup")
     except ValueError as e:  # a setting only the loaded model can find wrong
         conn.send(EngineFailed("config", str(e)))
         sys.exit(2)
@@ -107,10 +117,41 @@ def run_engine_process(
             device_memory_bytes=device_memory,
         )
     )
+    spawn_s = None if spawned_at is None else max(0.0, entered_at - spawned_at)
+    log.info(
+        "engine phases (incarnation %d%s): %s (model load %.2f s inside build)",
+        incarnation,
+        "" if spawned_at is not None else ", from a standby process",
+        phases.text(spawn_s),
+        core.loaded.load_time_s,
+    )
     if fault == "exit_when_ready":
         os._exit(FAULT_EXIT_CODE)
     hang_waiting = int(fault.split("=")[1]) if fault and fault.startswith("hang_") else None
     _EngineLoop(core, conn, hang_waiting).run()
+
+
+def setup_logging(log_level: int) -> None:
+    logging.basicConfig(
+        level=log_level, format="%(asctime)s %(levelname)s %(name)s[engine]: %(message)s"
+    )
+
+
+class _Phases:
+    """Wall time of each start-up phase, for one log line (scripts/measure_restart.py reads it)."""
+
+    def __init__(self, start: float) -> None:
+        self._last = start
+        self._spans: list[tuple[str, float]] = []
+
+    def mark(self, name: str) -> None:
+        now = time.time()
+        self._spans.append((name, now - self._last))
+        self._last = now
+
+    def text(self, spawn_s: float | None) -> str:
+        spans = ([] if spawn_s is None else [("spawn", spawn_s)]) + self._spans
+        return ", ".join(f"{name} {span_s:.2f} s" for name, span_s in spans)
 
 
 def _warm_up(core) -> None:  # core: EngineCore

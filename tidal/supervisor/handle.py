@@ -13,6 +13,7 @@ from multiprocessing.connection import wait
 from tidal.config.engine import EngineConfig
 from tidal.engine.messages import EngineFailed, EngineReady
 from tidal.engine.process import run_engine_process
+from tidal.supervisor.standby import StartEngine, run_standby_process
 
 log = logging.getLogger(__name__)
 
@@ -47,24 +48,49 @@ class EngineHandle:
     def __init__(
         self,
         config: EngineConfig,
-        incarnation: int,
+        incarnation: int | None,
         *,
-        warmup: bool,
+        warmup: bool = False,
         fault: str | None = None,
         log_level: int = logging.INFO,
     ) -> None:
+        """Spawn an engine process; incarnation None spawns a standby (see `activate`)."""
         ctx = multiprocessing.get_context("spawn")
         self.incarnation = incarnation
         self.conn, child_conn = ctx.Pipe(duplex=True)
+        if incarnation is None:
+            target, args = run_standby_process, (config, child_conn, log_level, time.time())
+        else:
+            target = run_engine_process
+            args = (config, child_conn, incarnation, warmup, fault, log_level, time.time())
         self.process = ctx.Process(
-            target=run_engine_process,
-            args=(config, child_conn, incarnation, warmup, fault, log_level),
-            name=f"tidal-engine-{incarnation}",
+            target=target,
+            args=args,
+            name=f"tidal-engine-{'standby' if incarnation is None else incarnation}",
             daemon=True,  # dies with the API process
         )
         self.process.start()
         child_conn.close()  # only the child holds its end: its death closes the pipe
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+    @property
+    def is_standby(self) -> bool:
+        return self.incarnation is None
+
+    def activate(self, incarnation: int, warmup: bool, fault: str | None) -> bool:
+        """Tell a standby process to start as `incarnation`; False if it is already gone."""
+        if not self.is_standby:
+            raise ValueError(
+                f"activate() needs a standby handle, not incarnation {self.incarnation}"
+            )
+        if not self.process.is_alive():
+            return False
+        try:
+            self.conn.send(StartEngine(incarnation, warmup, fault))
+        except (OSError, ValueError):  # it died after the check
+            return False
+        self.incarnation = incarnation
+        return True
 
     @property
     def pid(self) -> int | None:

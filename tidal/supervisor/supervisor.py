@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 # seen sooner: the reader thread reports the pipe closing at once.
 _TICK_S = 0.1
 _START_TIMEOUT_S = 900.0  # a large model loading from a slow disk
+# A standby that died while idle is replaced after this long (not at once: one that cannot
+# even import would otherwise respawn every tick).
+_STANDBY_RETRY_S = 30.0
 
 
 class EngineListener(Protocol):
@@ -39,7 +42,11 @@ class Supervisor:
     """Owns the current EngineHandle. Verdicts: "died" (the pipe closed or the process exited) and
     "hung" (the watchdog: work pending, no progress for `watchdog_timeout_s`). Either way the
     process is killed, the listener hears `engine_down` at once, and a new engine starts after
-    the budget's backoff; when the budget is spent the listener hears `engine_fatal`."""
+    the budget's backoff; when the budget is spent the listener hears `engine_fatal`.
+
+    With `standby` (the default) a spare engine process (tidal.supervisor.standby) is spawned
+    whenever none is waiting; it imports torch and tidal and then idles without weights, and a
+    restart tells it to load instead of spawning a cold process (seconds of imports saved)."""
 
     def __init__(
         self,
@@ -49,6 +56,7 @@ class Supervisor:
         policy: RestartPolicy | None = None,
         watchdog_timeout_s: float = 30.0,
         warmup_on_restart: bool = True,
+        standby: bool = True,
         fault_spec: str | None = None,
         log_level: int = logging.INFO,
         clock: Callable[[], float] = time.monotonic,
@@ -59,6 +67,8 @@ class Supervisor:
         self.budget = RestartBudget(policy or RestartPolicy(), clock)
         self.watchdog = Watchdog(watchdog_timeout_s, clock)
         self.warmup_on_restart = warmup_on_restart
+        self.use_standby = standby
+        self.clock = clock
         self.fault_spec = fault_spec
         self.log_level = log_level
         self.up = False
@@ -66,6 +76,8 @@ class Supervisor:
         self.num_restarts = 0
         self._handle: EngineHandle | None = None
         self._starting: EngineHandle | None = None  # a restart still loading (killed on stop)
+        self._standby: EngineHandle | None = None  # a spare process waiting to be told to load
+        self._standby_retry_at = float("-inf")
         self._lock = threading.Lock()
         self._incarnation = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -106,6 +118,9 @@ class Supervisor:
             self._task = None
         with self._lock:
             handles = [h for h in (self._handle, self._starting) if h is not None]
+            standby, self._standby = self._standby, None
+        if standby is not None:  # idle, holding nothing: no need to ask politely
+            await asyncio.to_thread(standby.kill)
         for h in handles:
             h.send(Shutdown())
             if not await asyncio.to_thread(h.join, timeout_s):
@@ -121,16 +136,38 @@ class Supervisor:
     # ---- spawning -----------------------------------------------------------------------------
 
     def _spawn(
-        self, incarnation: int, warmup: bool, timeout_s: float
+        self,
+        incarnation: int,
+        warmup: bool,
+        timeout_s: float,
+        standby: EngineHandle | None = None,
     ) -> tuple[EngineHandle, EngineReady]:
-        """Start one engine process and wait until it is ready (blocking; a worker thread)."""
+        """Start one engine process, from `standby` if it is still alive, and wait until it is
+        ready (blocking; a worker thread)."""
         fault = fault_for(self.fault_spec, incarnation)
-        handle = EngineHandle(
-            self.config, incarnation, warmup=warmup, fault=fault, log_level=self.log_level
-        )
+        handle = None
+        if standby is not None:
+            if standby.activate(incarnation, warmup, fault):
+                handle = standby
+            else:
+                log.warning(
+                    "standby engine process %s is gone (%s); spawning a cold one",
+                    standby.pid,
+                    exit_text(standby.exitcode),
+                )
+                standby.kill()
+        if handle is None:
+            handle = EngineHandle(
+                self.config, incarnation, warmup=warmup, fault=fault, log_level=self.log_level
+            )
         with self._lock:
             self._starting = handle
-        log.info("engine process %d starting (incarnation %d)", handle.pid, incarnation)
+        log.info(
+            "engine process %d starting (incarnation %d%s)",
+            handle.pid,
+            incarnation,
+            ", from standby" if handle is standby else "",
+        )
         try:
             ready = handle.wait_ready(timeout_s)
         finally:
@@ -202,9 +239,40 @@ class Supervisor:
             if not await self._restart():
                 return
 
+    async def _keep_standby(self) -> None:
+        """Have a live standby process unless it is off, we are stopping, or one died lately."""
+        if not self.use_standby or self._stopping:
+            return
+        standby = self._standby
+        if standby is not None:
+            if standby.is_alive():
+                return
+            log.warning(
+                "standby engine process %s died while idle (%s); replacing it in %g s",
+                standby.pid,
+                exit_text(standby.exitcode),
+                _STANDBY_RETRY_S,
+            )
+            with self._lock:
+                self._standby = None
+            await asyncio.to_thread(standby.kill)  # reap it
+            self._standby_retry_at = self.clock() + _STANDBY_RETRY_S
+        if self.clock() < self._standby_retry_at:
+            return
+        standby = await asyncio.to_thread(EngineHandle, self.config, None, log_level=self.log_level)
+        with self._lock:
+            self._standby = standby
+        log.info("standby engine process %d spawned", standby.pid)
+
+    def _take_standby(self) -> EngineHandle | None:
+        with self._lock:
+            standby, self._standby = self._standby, None
+        return standby
+
     async def _wait_for_failure(self, handle: EngineHandle) -> tuple[str, str]:
         assert self._trouble is not None
         while True:
+            await self._keep_standby()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._trouble.wait(), _TICK_S)
             if self._trouble.is_set() or not handle.is_alive():
@@ -239,7 +307,11 @@ class Supervisor:
             self._incarnation += 1
             try:
                 handle, ready = await asyncio.to_thread(
-                    self._spawn, self._incarnation, self.warmup_on_restart, _START_TIMEOUT_S
+                    self._spawn,
+                    self._incarnation,
+                    self.warmup_on_restart,
+                    _START_TIMEOUT_S,
+                    self._take_standby(),
                 )
             except EngineStartError as e:
                 log.error("engine restart failed: %s", e)
