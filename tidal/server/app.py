@@ -19,6 +19,7 @@ from tidal.server.errors import APIError, bad_request, internal_error, not_found
 from tidal.server.generation import ClientGone
 from tidal.server.guards import admit, check_auth
 from tidal.server.metrics import CONTENT_TYPE
+from tidal.server.openapi import serve_openapi
 from tidal.server.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -70,7 +71,15 @@ def build_app(state: ServerState) -> FastAPI:
             cut_task.cancel()
             await state.engine.shutdown()
 
-    app = FastAPI(title="tidal", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json only: a docs UI would pull its scripts from a CDN.
+    app = FastAPI(
+        title="tidal",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
+    serve_openapi(app)
     app.state.tidal = state
     engine = state.engine
     if isinstance(engine, EngineClient):
