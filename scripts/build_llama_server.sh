@@ -34,12 +34,14 @@ fi
 
 cmake -S "$src" -B "$work/build" \
     -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON \
+    -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON
 cmake --build "$work/build" --target llama-server -j "$jobs"
 
 mkdir -p "$dest/bin"
 built="$work/build/bin/llama-server"
-# Shared-library builds put libllama/libggml next to the binary; copy them too.
+# Shared-library builds put libllama/libggml next to the binary; copy them too (the binary's
+# RUNPATH is $ORIGIN, so it finds them there once the build tree is gone).
 cp "$built" "$dest/bin/llama-server.tmp"
 find "$work/build" -name '*.so*' -exec cp -P {} "$dest/bin/" \; 2>/dev/null || true
 mv "$dest/bin/llama-server.tmp" "$binary"

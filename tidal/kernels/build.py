@@ -1,0 +1,89 @@
+"""Compiles tidal's C kernels once per machine into the cache directory and loads them with ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+_SOURCES = Path(__file__).parent
+# -march=native: the library is built on, and only used on, the machine that runs it (like
+# llama.cpp's GGML_NATIVE); the cache key includes the CPU model so a copied cache rebuilds.
+_FLAGS = ("-O3", "-march=native", "-mtune=native", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+_lock = threading.Lock()
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tidal"
+    )
+    return Path(base) / "kernels"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "gcc", "cc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library for tidal/kernels/<name>.c, or None where it cannot be built (no C
+    compiler, a failed build, TIDAL_KERNELS=0); callers then take their torch fallback."""
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build_and_load(name)
+        return _loaded[name]
+
+
+def _build_and_load(name: str) -> ctypes.CDLL | None:
+    if os.environ.get("TIDAL_KERNELS", "1") == "0":
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found: the %s kernel is off, torch's fallback runs", name)
+        return None
+    source = _SOURCES / f"{name}.c"
+    key = hashlib.sha256(
+        b"\0".join(
+            [source.read_bytes(), cc.encode(), " ".join(_FLAGS).encode(), _cpu_model().encode()]
+        )
+    ).hexdigest()[:16]
+    target = cache_dir() / f"{name}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        cmd = [cc, *_FLAGS, str(source), "-o", tmp]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+            os.replace(tmp, target)  # atomic: a concurrent build never loads half a file
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", "") or str(e)
+            log.warning("building the %s kernel failed, torch's fallback runs: %s", name, detail)
+            Path(tmp).unlink(missing_ok=True)
+            return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as e:
+        log.warning("loading %s failed, torch's fallback runs: %s", target, e)
+        return None
