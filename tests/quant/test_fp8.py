@@ -20,7 +20,7 @@ def test_round_trip_relative_error() -> None:
     assert ((deq - w).abs() <= bound * (1 + 1e-6)).all()
 
 
-@pytest.mark.parametrize("rows", [1, 9])
+@pytest.mark.parametrize("rows", [1, 9, 40])
 def test_matmul_matches_reference(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     lin = nn.Linear(64, 40, bias=True)
     q = Fp8Linear.from_linear(lin)
@@ -36,3 +36,25 @@ def test_embedding_rows() -> None:
     emb = Fp8Embedding(q.codes, q.scales, torch.float32)
     ids = torch.tensor([3, 0, 29, 3])
     assert torch.equal(emb(ids), q.dequantize()[ids])
+
+
+def test_kernel_decodes_every_finite_e4m3_value_exactly() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[~torch.isnan(codes.float())]  # 254 values, subnormals and -0 included
+    k = 256
+    w = torch.zeros(1, k, dtype=torch.float8_e4m3fn)
+    w[0, : finite.numel()] = finite
+    q = Fp8Linear(w, torch.ones(1), None, torch.float32)
+    eye = torch.eye(k)
+    got = torch.cat([q(eye[i : i + 32]) for i in range(0, k, 32)]).flatten()
+    assert torch.equal(got[: finite.numel()], finite.float())
+
+
+def test_a_row_does_not_depend_on_its_batch() -> None:
+    torch.manual_seed(2)
+    lin = nn.Linear(96, 24, bias=True)
+    q = Fp8Linear.from_linear(lin)
+    x = torch.randn(9, 96)
+    whole = q(x)
+    for i in range(9):
+        assert torch.equal(q(x[i : i + 1]), whole[i : i + 1])

@@ -3,6 +3,7 @@
  *   int8:  w[n, k] = codes[n, k] * scales[n, k / G]                 (codes int8, symmetric)
  *   int4:  w[n, k] = q[n, k] * scales[n, k / 32] + mins[n, k / 32]  (q in 0..15, two per byte:
  *          byte j of a group's 16 holds element j in its low nibble and element j + 16 in its high)
+ *   fp8:   w[n, k] = e4m3(codes[n, k]) * scales[n]                  (float8_e4m3fn bytes)
  *   y[m, n] = sum_k x[m, k] * w[n, k] + bias[n]
  *
  * x is float32 (M, K) with row stride ldx, y float32 (M, N) contiguous, scales/mins float32,
@@ -38,7 +39,23 @@ static inline __m256 i8x8_to_ps(const int8_t *p) {
 }
 
 static inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+/* 8 e4m3 bytes -> float / 256: moving exponent and mantissa 7 bits up makes an fp16 whose
+ * exponent bias is 8 too small (15 vs 7), which F16C converts exactly, subnormals included. */
+static inline __m256 e4m3x8_to_ps_div256(const uint8_t *p) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+}
 #endif
+
+/* e4m3fn byte -> float (scalar path) */
+static inline float e4m3_to_float(uint8_t b) {
+    int e = (b >> 3) & 0xF, m = b & 7;
+    float v = e ? (1.0f + m / 8.0f) * (float)(1 << e) / 128.0f : m / 8.0f / 64.0f;
+    return (b & 0x80) ? -v : v;
+}
 
 /* ---- int8, group size G (a multiple of 8 dividing K; G == K is one scale per row) ---- */
 
@@ -182,4 +199,56 @@ int tidal_int4_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const
     }
     free(xsum);
     return 0;
+}
+
+/* ---- fp8 e4m3, one scale per row ---- */
+
+static inline __attribute__((always_inline)) void fp8_row(const float *x, int64_t ldx, int mt,
+                                                          const uint8_t *w, int64_t K, float *out) {
+#ifdef TIDAL_AVX2
+    /* 2 accumulators per row (even and odd chunks of 8) break the FMA latency chain of a row */
+    __m256 a[MT], b[MT];
+    for (int i = 0; i < mt; i++) { a[i] = _mm256_setzero_ps(); b[i] = _mm256_setzero_ps(); }
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m256 w0 = e4m3x8_to_ps_div256(w + k), w1 = e4m3x8_to_ps_div256(w + k + 8);
+        for (int i = 0; i < mt; i++) {
+            a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i]);
+            b[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), b[i]);
+        }
+    }
+    for (; k < K; k += 8) {
+        __m256 w0 = e4m3x8_to_ps_div256(w + k);
+        for (int i = 0; i < mt; i++) a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i]);
+    }
+    for (int i = 0; i < mt; i++) out[i] = hsum256(_mm256_add_ps(a[i], b[i])) * 256.0f;
+#else
+    for (int i = 0; i < mt; i++) {
+        float t = 0.0f;
+        for (int64_t k = 0; k < K; k++) t += e4m3_to_float(w[k]) * x[i * ldx + k];
+        out[i] = t;
+    }
+#endif
+}
+
+/* K a multiple of 8 */
+void tidal_fp8_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *codes,
+                        const float *scales, const float *bias, float *y, int64_t N, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t n = 0; n < N; n++) {
+        float out[MT];
+        float b = bias ? bias[n] : 0.0f;
+        for (int64_t m = 0; m < M; m += MT) {
+            int mt = (int)(M - m < MT ? M - m : MT);
+            const float *xm = x + m * ldx;
+            const uint8_t *wn = codes + n * K;
+            switch (mt) {
+            case 4: fp8_row(xm, ldx, 4, wn, K, out); break;
+            case 3: fp8_row(xm, ldx, 3, wn, K, out); break;
+            case 2: fp8_row(xm, ldx, 2, wn, K, out); break;
+            default: fp8_row(xm, ldx, 1, wn, K, out); break;
+            }
+            for (int i = 0; i < mt; i++) y[(m + i) * N + n] = out[i] * scales[n] + b;
+        }
+    }
 }

@@ -1,4 +1,4 @@
-"""`int8_gemm` and `int4_gemm`: weight-only quantized matmuls for decode-sized batches on CPU."""
+"""`int8_gemm`, `int4_gemm`, `fp8_gemm`: weight-only quantized matmuls for decode-sized batches on CPU."""
 
 from __future__ import annotations
 
@@ -29,6 +29,12 @@ def _library():
         _ptr, _ptr, _ptr, _ptr,  # packed codes, scales, mins, bias
         _ptr, _i64, _int,  # y, N, threads
     ]  # fmt: skip
+    lib.tidal_fp8_gemm_f32.restype = None
+    lib.tidal_fp8_gemm_f32.argtypes = [
+        _ptr, _i64, _i64, _i64,  # x, M, K, ldx
+        _ptr, _ptr, _ptr,  # codes, scales, bias
+        _ptr, _i64, _int,  # y, N, threads
+    ]  # fmt: skip
     return lib
 
 
@@ -42,7 +48,11 @@ def _takes(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
         return False
     if x.stride(1) != 1 and x.shape[1] > 1:
         return False
-    return all(p is None or p.is_contiguous() for p in params)
+    return all(
+        p is None
+        or (p.is_contiguous() and (p.dtype != torch.bfloat16 and p.dtype != torch.float16))
+        for p in params
+    )
 
 
 def _row_stride(x: torch.Tensor) -> int:
@@ -99,4 +109,22 @@ def int4_gemm(
     )  # fmt: skip
     if rc != 0:
         raise MemoryError("int4_gemm: allocating the group sums failed")
+    return y
+
+
+def fp8_gemm(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """(M, K) float32 x, (N, K) float8_e4m3fn codes, (N,) float32 scales -> (M, N) float32
+    x @ (codes * scales[:, None]).T + bias; None where the kernel cannot take these tensors."""
+    lib = _library()
+    if lib is None or not _takes(x, codes, scales, bias) or x.shape[1] % 8:
+        return None
+    m, k = x.shape
+    n = codes.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32)
+    lib.tidal_fp8_gemm_f32(
+        x.data_ptr(), m, k, _row_stride(x), codes.data_ptr(), scales.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
     return y

@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidal.kernels.int8_gemm import fp8_gemm
+from tidal.quant.int8 import KERNEL_MAX_ROWS
+
 E4M3_MAX = 448.0
 BLOCK_VALUES = 1 << 20
 
@@ -27,13 +30,15 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def upcast(codes: torch.Tensor) -> torch.Tensor:
-    """float8_e4m3fn -> float32 (exact). NOTE: scalar on AVX2 CPUs (~10 ns a value measured here,
-    also with a float16 bit-placement trick), so fp8 saves memory, not decode time, on this CPU."""
+    """float8_e4m3fn -> float32 (exact). NOTE: scalar in torch on AVX2 CPUs (~10 ns a value), so
+    only the fallback and prefill-sized batches take it; decode runs tidal's C kernel, which
+    converts through float16 with F16C."""
     return codes.float()
 
 
 class Fp8Linear(nn.Module):
-    """y = x @ (upcast(codes) * scales[:, None]).T + bias, upcasting a row block at a time."""
+    """y = x @ (upcast(codes) * scales[:, None]).T + bias: decode-sized float32 batches on CPU in
+    tidal's C kernel, else upcasting a row block at a time for a float32 matmul."""
 
     def __init__(
         self,
@@ -47,7 +52,7 @@ class Fp8Linear(nn.Module):
         self.out_dtype = out_dtype
         self.register_buffer("codes", codes)  # (N, K) float8_e4m3fn
         self.register_buffer("scales", scales)  # (N,) float32
-        self.register_buffer("bias", bias)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
@@ -59,6 +64,10 @@ class Fp8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()  # (M, K)
         n = self.out_features
+        if x2.shape[0] <= KERNEL_MAX_ROWS:
+            y = fp8_gemm(x2, self.codes, self.scales, self.bias)
+            if y is not None:
+                return y.to(self.out_dtype).reshape(*lead, n)
         step = max(1, BLOCK_VALUES // self.in_features)
         if step >= n:
             y = x2 @ upcast(self.codes).t()
@@ -97,5 +106,6 @@ def quantize_linear(linear: nn.Linear) -> nn.Module:
 
 
 def quantize_tied_embedding(head: nn.Module, embedding: nn.Embedding) -> nn.Module:
-    assert isinstance(head, Fp8Linear)
+    if not isinstance(head, Fp8Linear):
+        raise TypeError(f"a tied fp8 embedding needs an Fp8Linear head, got {type(head).__name__}")
     return Fp8Embedding(head.codes, head.scales, embedding.weight.dtype)
