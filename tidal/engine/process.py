@@ -155,13 +155,14 @@ class _Phases:
 
 
 def _warm_up(core) -> None:  # core: EngineCore
-    """Two short greedy requests straight on the core, so a restarted engine is warm when ready."""
+    """One short greedy request straight on the core (a prefill step and a decode step, the two
+    code paths serving takes), so a restarted engine is warm when ready. Kept this short
+    because it is on the kill-to-ready path: its cost is mostly first-touching the weights."""
     from tidal.engine.sampling_params import SamplingParams
 
     ids = core.tokenizer.encode("Hello")[: max(1, core.max_model_len - 8)] or [0]
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
-    for i in range(2):
-        core.add_request(f"warmup-{i}", ids, params)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=1)
+    core.add_request("warmup-0", ids, params)
     while core.has_unfinished():
         core.step()
     core.step()  # publish idle stats

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -44,11 +45,23 @@ def _read_header(p: Path) -> tuple[ArchConfig, str | None, torch.Tensor | None]:
                 f"{p} is a directory without config.json; expected a HF model directory"
             )
         return arch_from_hf(json.loads(config.read_text())), None, None
-    if not p.exists():
-        raise ValueError(f"model path {str(p)!r} does not exist")
+    try:
+        st = p.stat()
+    except OSError:
+        raise ValueError(f"model path {str(p)!r} does not exist") from None
+    return _read_gguf_header(str(p), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+# NOTE: a per-process memo keyed by the file's identity: building an engine reads the header
+# twice (the builder, then load_model), and a standby process reads it ahead of time, so a
+# restart parses it zero times. Values are immutable (the rope tensor is only divided into).
+@functools.lru_cache(maxsize=4)
+def _read_gguf_header(
+    path: str, size_bytes: int, mtime_ns: int, inode: int
+) -> tuple[ArchConfig, str | None, torch.Tensor | None]:
     from tidal.loader.gguf_file import GGUFFile
 
-    with GGUFFile(p) as f:
+    with GGUFFile(path) as f:
         arch = arch_from_gguf(f.metadata, "output.weight" in f.tensors)
         freqs = f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
         return arch, f.architecture(), freqs

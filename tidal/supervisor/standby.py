@@ -58,17 +58,22 @@ def run_standby_process(
 
 def _preimport(config: EngineConfig) -> None:
     """Import what building an engine imports (torch, the engine, the loader and the model's
-    module), without reading any weights. Failures here are left for the real start to report."""
+    module) and read the checkpoint's header, without reading any weights. Failures here are
+    left for the real start to report."""
     try:
         import safetensors.torch  # noqa: F401  (the weight cache reader)
+        import torch
 
         import tidal.engine.builder  # noqa: F401  (torch, EngineCore)
-        import tidal.loader.model_loader  # noqa: F401
         import tidal.loader.tokenizer  # noqa: F401
         from tidal.engine.builder import model_path
-        from tidal.loader.model_loader import read_arch
+        from tidal.loader.model_loader import kv_group_of_layers, read_arch
         from tidal.models.registry import model_class
 
-        model_class(read_arch(model_path(config))[0])
+        arch = read_arch(model_path(config))[0]  # memoized: the real start reuses it
+        # Building on the meta device allocates nothing, but its first time imports torch's
+        # refs and dynamo lazily (seconds on a busy CPU): pay that here, not after a crash.
+        with torch.device("meta"):
+            model_class(arch)(arch, kv_group_of_layers(arch))
     except Exception as e:  # e.g. a model file that is missing now: the start will say so
         log.warning("standby could not pre-import everything: %s: %s", type(e).__name__, e)

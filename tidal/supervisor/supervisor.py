@@ -189,11 +189,15 @@ class Supervisor:
         assert loop is not None and self._trouble is not None
         trouble = self._trouble
 
+        # NOTE: the reader thread may outlive the loop (an engine killed while the server
+        # exits); a closed loop raises RuntimeError and nobody is left to tell.
         def on_message(msg: object) -> None:
-            loop.call_soon_threadsafe(self._on_message, handle, msg)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._on_message, handle, msg)
 
         def on_lost() -> None:
-            loop.call_soon_threadsafe(self._on_lost, handle)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._on_lost, handle)
 
         self.watchdog.reset()
         self._last_beat = None

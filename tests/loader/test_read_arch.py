@@ -1,0 +1,42 @@
+"""read_arch parses a GGUF header once per process while the file is unchanged."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.loader.test_weight_cache import write_tiny_quantized_gemma
+from tidal.loader import model_loader
+from tidal.loader.model_loader import read_arch
+
+
+def test_the_header_is_parsed_once_until_the_file_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tiny.gguf"
+    write_tiny_quantized_gemma(path)
+    opened: list[str] = []
+    from tidal.loader import gguf_file
+
+    real = gguf_file.GGUFFile
+
+    class CountingGGUFFile(real):  # the real reader, counting its opens
+        def __init__(self, p: str | os.PathLike[str]) -> None:
+            opened.append(str(p))
+            super().__init__(p)
+
+    monkeypatch.setattr(gguf_file, "GGUFFile", CountingGGUFFile)
+    model_loader._read_gguf_header.cache_clear()
+    first = read_arch(path)
+    assert read_arch(str(path)) == first and len(opened) == 1
+    assert first[0].family == "gemma3" and first[0].num_layers == 2 and first[1] == "gemma3"
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert read_arch(path) == first and len(opened) == 2  # re-read: same content, same arch
+
+
+def test_a_missing_file_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        read_arch(tmp_path / "nope.gguf")
