@@ -38,14 +38,62 @@ def loading_progress(what: str) -> Iterator[None]:
         if thread:
             thread.join()
         end = "\r" if tty else ""
-        print(f"{end}{what}: done in {time.perf_counter() - start:.1f}s   ", file=sys.stderr, flush=True)
+        print(
+            f"{end}{what}: done in {time.perf_counter() - start:.1f}s   ",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled Gemma 3 270M)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF directory (default: the bundled Gemma 3 270M)",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    from tidal.kv.layout import KV_CACHE_DTYPES
+    from tidal.quant.registry import SCHEMES
+
+    p.add_argument("--quantization", default="none", choices=SCHEMES, help="weight format")
+    _gate_args(p, KV_CACHE_DTYPES, default_kv="auto")
+
+
+# The start-up gate's keys (memory.*), as flags; `tidal serve` gets them from _serve_gate_bridge.
+_GATE_FLAGS = {
+    "--kv-cache-dtype": "memory.kv_cache_dtype",
+    "--quantization-gate": "memory.quantization_gate",
+    "--force-quantization": "memory.force_quantization",
+}
+
+
+def _gate_args(
+    p: argparse.ArgumentParser, kv_dtypes: tuple[str, ...], default_kv: str | None
+) -> None:
+    taken = p._option_string_actions  # NOTE: skips flags the config loader already registers
+    if "--kv-cache-dtype" not in taken:
+        p.add_argument(
+            "--kv-cache-dtype",
+            default=default_kv,
+            choices=kv_dtypes,
+            help="KV cache storage (8-bit: ~2x tokens)",
+        )
+    if "--quantization-gate" not in taken:
+        p.add_argument(
+            "--quantization-gate",
+            default=None,
+            action=argparse.BooleanOptionalAction,
+            help="measure perplexity vs float before serving a quantized mode (default: on)",
+        )
+    if "--force-quantization" not in taken:
+        p.add_argument(
+            "--force-quantization",
+            default=None,
+            action="store_true",
+            help="serve even if the gate fails",
+        )
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -59,7 +107,23 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _build(args: argparse.Namespace) -> Any:
     from tidal.engine.llm import engine_config_from_kwargs
 
-    config = engine_config_from_kwargs(args.model, dtype=args.dtype, device=args.device, threads=args.threads)
+    gate = {
+        name: value
+        for name, value in (
+            ("kv_cache_dtype", args.kv_cache_dtype),
+            ("quantization_gate", args.quantization_gate),
+            ("force_quantization", args.force_quantization),
+        )
+        if value is not None
+    }
+    config = engine_config_from_kwargs(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        quantization=args.quantization,
+        **gate,
+    )
     from tidal.engine.builder import build_engine
 
     with loading_progress(f"loading {args.model or 'the bundled Gemma 3 270M'}"):
@@ -70,11 +134,17 @@ def _params(args: argparse.Namespace) -> Any:
     from tidal.engine.sampling_params import SamplingParams
 
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
     )
 
 
-def _stream(engine: Any, request_id: str, token_ids: list[int], params: Any, session_id: str | None = None) -> str:
+def _stream(
+    engine: Any, request_id: str, token_ids: list[int], params: Any, session_id: str | None = None
+) -> str:
     """Run one request to completion, printing text as it is produced; returns the full text."""
     engine.add_request(request_id, token_ids, params, delta=True, session_id=session_id)
     text = []
@@ -99,7 +169,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = _build(args)
     tok = engine.tokenizer
     if args.chat:
-        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], add_generation_prompt=True
+        )
         ids = tok.encode(text, add_special_tokens=False)
     else:
         ids = tok.encode(args.prompt)
@@ -125,9 +197,33 @@ def cmd_chat(args: argparse.Namespace) -> int:
             break
         messages.append({"role": "user", "content": line})
         prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
-        reply = _stream(engine, f"chat-{turn}", tok.encode(prompt, add_special_tokens=False), _params(args), "chat")
+        reply = _stream(
+            engine,
+            f"chat-{turn}",
+            tok.encode(prompt, add_special_tokens=False),
+            _params(args),
+            "chat",
+        )
         messages.append({"role": "assistant", "content": reply})
     return 0
+
+
+def _serve_gate_bridge(serve_run: Any) -> Any:
+    """`tidal serve` with the gate flags: the config loader's flag table does not list these keys
+    yet, so the given flags travel as their TIDAL_MEMORY_* variables, which rank where a flag
+    would (above YAML and the caller's environment: the flag replaces it)."""
+    import os
+
+    from tidal.config.keys import KEYS
+
+    def run(args: argparse.Namespace) -> int:
+        for flag, full in _GATE_FLAGS.items():
+            value = getattr(args, flag[2:].replace("-", "_"), None)
+            if value is not None:
+                os.environ[KEYS[full].env_var] = str(value).lower()
+        return serve_run(args)
+
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="continue a prompt, streaming to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
     _engine_args(gen)
     _sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -152,7 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # the server extra is not installed
         cli_serve = None  # type: ignore[assignment]
     if cli_serve is not None and hasattr(cli_serve, "add_parser"):
-        cli_serve.add_parser(sub)
+        serve = cli_serve.add_parser(sub)
+        from tidal.kv.layout import KV_CACHE_DTYPES
+
+        _gate_args(serve, KV_CACHE_DTYPES, default_kv=None)
+        serve.set_defaults(func=_serve_gate_bridge(serve.get_default("func")))
     try:
         from tidal.bench import cli as cli_bench
     except ImportError:  # aiohttp (dev extra) is imported lazily; this guards the rest

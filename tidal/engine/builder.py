@@ -1,15 +1,19 @@
-"""build_engine: resolve device and dtype, load the model and tokenizer, make an EngineCore."""
+"""build_engine: resolve device and dtype, gate quantized modes, load the model, make an EngineCore."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from tidal.config.engine import EngineConfig
 from tidal.engine.core import EngineCore
 from tidal.engine.stats import StepStats
+
+log = logging.getLogger("tidal.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,6 +61,8 @@ def build_engine(
     device = resolve_device(config)
     dtype = resolve_dtype(config.weight_dtype, device)
     path = model_path(config)
+    # Before loading: a refused mode fails in seconds (cached verdict) without holding two models.
+    check_quantization(config, path, progress)
     if progress:
         progress(f"loading {path} ({dtype}, {device})")
     from concurrent.futures import ThreadPoolExecutor
@@ -78,4 +84,72 @@ def build_engine(
                 f"quantized {summary.num_linear} linear layers to {summary.scheme}: weights "
                 f"{summary.weight_bytes_before / 1e6:.0f} MB -> {summary.weight_bytes_after / 1e6:.0f} MB"
             )
-    return EngineCore(config, loaded, tokenizer, clock=clock, on_step=on_step)
+    core = EngineCore(config, loaded, tokenizer, clock=clock, on_step=on_step)
+    if core.layout.kv_dtype != config.cache.kv_cache_dtype:
+        # NOTE: EngineCore builds the KVLayout; until it passes memory.kv_cache_dtype along, the
+        # pool stays in the model's dtype. Say so rather than let a user believe it holds 2x.
+        log.warning(
+            "memory.kv_cache_dtype=%s is not applied by this EngineCore: the KV cache stays %s",
+            config.cache.kv_cache_dtype,
+            loaded.dtype,
+        )
+    if progress:
+        progress(f"KV cache: {core.num_blocks} blocks of {core.layout.page_bytes} bytes")
+    return core
+
+
+def check_quantization(
+    config: EngineConfig, path: str, progress: Callable[[str], None] | None = None
+) -> None:
+    """The start-up accuracy gate: when model.quantization or memory.kv_cache_dtype asks for fewer
+    bits, measure perplexity against the float model (tidal.quant.gate) or reuse the verdict
+    stored beside the model, log it, and raise GateFailed (a ValueError) when it fails, unless
+    memory.force_quantization. memory.quantization_gate false skips all of it."""
+    from tidal.quant.gate import GateFailed, heldout_text, mode_name, run_gate
+    from tidal.quant.gate_cache import GateVerdict, load_verdict, save_verdict, verdict_key
+
+    scheme, kv_dtype = config.model.quantization, config.cache.kv_cache_dtype
+    if scheme == "none" and kv_dtype == "auto":
+        return
+    say = progress or log.info
+    mode = mode_name(scheme, kv_dtype)
+    cache = config.cache
+    if not cache.quantization_gate:
+        say(
+            f"quantization gate disabled (memory.quantization_gate false): serving {mode} unchecked"
+        )
+        return
+    threshold = cache.quantization_gate_threshold_pct
+    max_tokens = cache.quantization_gate_max_tokens
+    key = verdict_key(Path(path), scheme, kv_dtype, threshold, heldout_text(), max_tokens)
+    verdict = load_verdict(Path(path), key)
+    if verdict is not None:
+        say(f"quantization gate (cached, measured in {verdict.gate_s:.0f} s): {verdict.line()}")
+    else:
+        say(f"quantization gate: measuring {mode} against float on the held-out text")
+        start = time.perf_counter()
+        report = run_gate(path, scheme, threshold, max_tokens=max_tokens, kv_cache_dtype=kv_dtype)
+        verdict = GateVerdict(
+            report.scheme,
+            report.ppl_ref,
+            report.ppl_quant,
+            report.change_pct,
+            report.top1_agreement,
+            report.num_tokens,
+            threshold,
+            report.passed,
+            time.perf_counter() - start,
+        )
+        save_verdict(Path(path), key, verdict)
+        say(f"quantization gate ({verdict.gate_s:.0f} s): {verdict.line()}")
+    if verdict.passed:
+        return
+    if cache.force_quantization:
+        log.warning(
+            "serving %s despite a failed gate (memory.force_quantization): %s", mode, verdict.line()
+        )
+        return
+    raise GateFailed(
+        f"refusing to serve {mode}: {verdict.line()}. Use a lighter mode, raise "
+        "memory.quantization_gate_threshold_pct, or pass --force-quantization to serve it anyway"
+    )
