@@ -9,8 +9,10 @@ closes the pipe (the server stops: it exits).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -20,6 +22,8 @@ from tidal.engine.messages import Shutdown
 from tidal.engine.process import run_engine_process, setup_logging
 
 log = logging.getLogger(__name__)
+
+_NICE = 10  # added to the import thread's nice value
 
 
 @dataclass(slots=True)
@@ -37,7 +41,13 @@ def run_standby_process(
     """The standby process's entry point (top-level, so "spawn" can import it)."""
     entered_at = time.time()
     setup_logging(log_level)
-    _preimport(config)
+    # The imports run in a thread at a lower CPU priority (Linux nice values are per thread),
+    # so a standby never competes with the serving engine for a core; the main thread, which
+    # becomes the engine, keeps the normal priority (an unprivileged process could not raise it
+    # back). A StartEngine that arrives meanwhile waits in the pipe until they finish.
+    worker = threading.Thread(target=_preimport, args=(config,), name="tidal-standby-import")
+    worker.start()
+    worker.join()
     log.info(
         "standby engine process %d ready (spawn %.2f s, import %.2f s)",
         os.getpid(),
@@ -60,6 +70,9 @@ def _preimport(config: EngineConfig) -> None:
     """Import what building an engine imports (torch, the engine, the loader and the model's
     module) and read the checkpoint's header, without reading any weights. Failures here are
     left for the real start to report."""
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not Linux
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _NICE)
     try:
         import safetensors.torch  # noqa: F401  (the weight cache reader)
         import torch
