@@ -1,0 +1,58 @@
+"""memory.kv_cache_dtype through the engine: blocks per budget, greedy tokens, prefix-cache hits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.engine.engine_util import make_engine, run_to_completion
+from tests.engine.tiny import make_tiny_model_dir
+from tidal.engine.core import EngineCore
+from tidal.engine.sampling_params import SamplingParams
+
+KV_BYTES = 4 << 20
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PREFIX = [1, *range(40, 80)]  # 41 tokens: 5 full pages of 8
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("kv8_engine"))
+
+
+def _engine(tiny_dir: Path, kv_dtype: str, **kwargs: object) -> EngineCore:
+    engine = make_engine(
+        tiny_dir,
+        kv_cache_bytes=KV_BYTES,
+        kv_cache_dtype=kv_dtype,
+        quantization_gate_max_tokens=32,
+        **kwargs,
+    )
+    if engine.layout.kv_dtype != kv_dtype:
+        pytest.skip("EngineCore does not pass memory.kv_cache_dtype to KVLayout yet")
+    return engine
+
+
+def _generate(engine: EngineCore, prompts: list[list[int]]) -> list[list[int]]:
+    """One request after another, so later ones can hit the earlier ones' cached pages."""
+    outs = []
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+        final = run_to_completion(engine)
+        outs.append(list(final[f"r{i}"].outputs[0].token_ids))
+    return outs
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_blocks_per_budget_and_prefix_hits(tiny_dir: Path, kv_dtype: str) -> None:
+    engine = _engine(tiny_dir, kv_dtype)
+    float_engine = make_engine(tiny_dir, kv_cache_bytes=KV_BYTES)
+    assert engine.num_blocks == KV_BYTES // engine.layout.page_bytes
+    # Tiny model: head_dim 16, float32 -> (16 + 4) bytes vs 64 per (token, head): 3.2x the blocks.
+    assert engine.layout.page_bytes * 64 == float_engine.layout.page_bytes * 20
+    prompts = [PREFIX + [90, 91, 92], PREFIX + [95, 96]]
+    hit = _generate(engine, prompts)
+    assert engine.kv.prefix_hit_tokens >= 40  # the second prompt reused the 5 shared pages
+    miss = _generate(_engine(tiny_dir, kv_dtype, enable_prefix_caching=False), prompts)
+    assert hit == miss
