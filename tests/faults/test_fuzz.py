@@ -23,8 +23,8 @@ from tidal.server.protocol import (
 )
 
 MAX_INPUT_TOKENS = 64
-# NOTE: the app serves no /openapi.json (routes parse raw bodies), so bodies are drawn from the
-# protocol models' own field names, each given any JSON value or a plausible one.
+# Bodies are drawn from the protocol models' own field names, each given any JSON value or a
+# plausible one (test_openapi_fuzz.py drives schemathesis from the served /openapi.json instead).
 FUZZ = settings(
     max_examples=30,
     deadline=None,
