@@ -42,8 +42,12 @@ TARGETS: dict[str, Target] = {
         Target("tidal", "tidal", (), "tidal serve defaults"),
         # The gate's verdict is cached beside the model after the first start; a benchmark
         # measures speed, so it does not wait for the gate either way.
-        Target("tidal-int8", "tidal", ("--quantization", "int8", "--no-quantization-gate"),
-               "tidal serve --quantization int8 (weights in int8 groups of 32)"),  # fmt: skip
+        Target(
+            "tidal-int8",
+            "tidal",
+            ("--quantization", "int8", "--no-quantization-gate"),
+            "tidal serve --quantization int8 (weights in int8 groups of 32)",
+        ),  # fmt: skip
         Target("tidal-no-prefix-cache", "tidal", ("--no-prefix-caching",), "ablation"),
         Target("tidal-no-chunked-prefill", "tidal", ("--no-chunked-prefill",), "ablation"),
         Target("tidal-max-num-seqs-1", "tidal", ("--max-num-seqs", "1"), "ablation: no batching"),
