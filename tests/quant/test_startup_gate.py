@@ -132,6 +132,9 @@ def test_quantize_check_measures_the_kv_cache(
     base = ["--model", str(tiny_dir), "--max-tokens", "64"]
     assert gate_main([*base, "--kv-cache-dtype", "int8"]) == 0
     assert "PASS kv-int8: ppl 624.6994 -> 624.4517" in capsys.readouterr().out
+    messages: list[str] = []  # a start with the same settings reuses quantize-check's verdict
+    _build(tiny_dir, messages, kv_cache_dtype="int8")
+    assert any(m.startswith("quantization gate (cached") for m in messages), messages
     assert gate_main([*base, "--quantization", "int8", "--kv-cache-dtype", "fp8"]) == 0
     assert "int8+kv-fp8" in capsys.readouterr().out
     with pytest.raises(ValueError, match="needs --quantization"):

@@ -106,7 +106,7 @@ def check_quantization(
     stored beside the model, log it, and raise GateFailed (a ValueError) when it fails, unless
     memory.force_quantization. memory.quantization_gate false skips all of it."""
     from tidal.quant.gate import GateFailed, heldout_text, mode_name, run_gate
-    from tidal.quant.gate_cache import GateVerdict, load_verdict, save_verdict, verdict_key
+    from tidal.quant.gate_cache import load_verdict, save_verdict, verdict_key, verdict_of
 
     scheme, kv_dtype = config.model.quantization, config.cache.kv_cache_dtype
     if scheme == "none" and kv_dtype == "auto":
@@ -129,17 +129,7 @@ def check_quantization(
         say(f"quantization gate: measuring {mode} against float on the held-out text")
         start = time.perf_counter()
         report = run_gate(path, scheme, threshold, max_tokens=max_tokens, kv_cache_dtype=kv_dtype)
-        verdict = GateVerdict(
-            report.scheme,
-            report.ppl_ref,
-            report.ppl_quant,
-            report.change_pct,
-            report.top1_agreement,
-            report.num_tokens,
-            threshold,
-            report.passed,
-            time.perf_counter() - start,
-        )
+        verdict = verdict_of(report, time.perf_counter() - start)
         save_verdict(Path(path), key, verdict)
         say(f"quantization gate ({verdict.gate_s:.0f} s): {verdict.line()}")
     if verdict.passed:

@@ -256,13 +256,35 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"weights: {s.weight_bytes_before / 1e6:.1f} MB -> {s.weight_bytes_after / 1e6:.1f} MB"
         )
-    print(f"took {time.perf_counter() - start:.1f} s")
+    gate_s = time.perf_counter() - start
+    print(f"took {gate_s:.1f} s")
+    if args.context_tokens is None:
+        # The verdict a start-up with these settings would measure: store it, so `tidal serve`
+        # after a `quantize-check` starts without measuring again.
+        from tidal.quant.gate_cache import save_verdict, verdict_key, verdict_of
+
+        path = Path(args.model) if args.model else _bundled()
+        key = verdict_key(
+            path,
+            args.quantization,
+            args.kv_cache_dtype,
+            args.threshold_pct,
+            heldout_text(),
+            args.max_tokens,
+        )
+        save_verdict(path, key, verdict_of(report, gate_s))
     try:
         enforce(report, args.force)
     except GateFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _bundled() -> Path:
+    from tidal.loader.bundled import bundled_model_path
+
+    return bundled_model_path()
 
 
 def main(argv: list[str] | None = None) -> int:

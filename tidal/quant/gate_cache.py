@@ -8,6 +8,10 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tidal.quant.gate import GateReport
 
 log = logging.getLogger("tidal.quant.gate")
 
@@ -34,6 +38,20 @@ class GateVerdict:
             f"({self.change_pct:+.3f}%, limit +{self.threshold_pct}%), "
             f"top-1 agreement {100 * self.top1_agreement:.2f}% over {self.num_tokens} tokens"
         )
+
+
+def verdict_of(report: GateReport, gate_s: float) -> GateVerdict:
+    return GateVerdict(
+        report.scheme,
+        report.ppl_ref,
+        report.ppl_quant,
+        report.change_pct,
+        report.top1_agreement,
+        report.num_tokens,
+        report.threshold_pct,
+        report.passed,
+        gate_s,
+    )
 
 
 def model_identity(path: Path) -> str:
