@@ -68,6 +68,7 @@ class EngineCore:
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
             dtype_bytes=kv_dtype.itemsize,
+            kv_dtype=config.cache.kv_cache_dtype,
         )
         self.num_blocks = num_blocks_for_budget(self.layout, self._kv_budget_bytes(loaded.device))
         self.kv = KVCacheManager(self.layout, self.num_blocks, config.cache, clock)
