@@ -61,14 +61,6 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     _gate_args(p, KV_CACHE_DTYPES, default_kv="auto")
 
 
-# The start-up gate's keys (memory.*), as flags; `tidal serve` gets them from _serve_gate_bridge.
-_GATE_FLAGS = {
-    "--kv-cache-dtype": "memory.kv_cache_dtype",
-    "--quantization-gate": "memory.quantization_gate",
-    "--force-quantization": "memory.force_quantization",
-}
-
-
 def _gate_args(
     p: argparse.ArgumentParser, kv_dtypes: tuple[str, ...], default_kv: str | None
 ) -> None:
@@ -208,24 +200,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_gate_bridge(serve_run: Any) -> Any:
-    """`tidal serve` with the gate flags: the config loader's flag table does not list these keys
-    yet, so the given flags travel as their TIDAL_MEMORY_* variables, which rank where a flag
-    would (above YAML and the caller's environment: the flag replaces it)."""
-    import os
-
-    from tidal.config.keys import KEYS
-
-    def run(args: argparse.Namespace) -> int:
-        for flag, full in _GATE_FLAGS.items():
-            value = getattr(args, flag[2:].replace("-", "_"), None)
-            if value is not None:
-                os.environ[KEYS[full].env_var] = str(value).lower()
-        return serve_run(args)
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidal", description="An LLM serving engine.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -250,11 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:  # the server extra is not installed
         cli_serve = None  # type: ignore[assignment]
     if cli_serve is not None and hasattr(cli_serve, "add_parser"):
-        serve = cli_serve.add_parser(sub)
-        from tidal.kv.layout import KV_CACHE_DTYPES
-
-        _gate_args(serve, KV_CACHE_DTYPES, default_kv=None)
-        serve.set_defaults(func=_serve_gate_bridge(serve.get_default("func")))
+        cli_serve.add_parser(sub)  # the gate flags come from the config loader's flag table
     try:
         from tidal.bench import cli as cli_bench
     except ImportError:  # aiohttp (dev extra) is imported lazily; this guards the rest

@@ -35,6 +35,7 @@ from tidal.config.limits import TRUNCATION_MODES, LimitsConfig
 from tidal.config.model import DTYPES, QUANTIZATIONS, ModelConfig
 from tidal.config.scheduler import SchedulerConfig
 from tidal.config.server import ServerConfig
+from tidal.kv.layout import KV_CACHE_DTYPES
 
 # Written in place of each API key by `dump_config`; it contains spaces, which ServerConfig
 # rejects, so a masked dump fed back in fails loudly instead of accepting a public "key".
@@ -208,6 +209,13 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
     ("--block-size", "memory.block_size", "tokens per KV block"),
     ("--prefix-caching", "memory.enable_prefix_caching", "reuse KV blocks of shared prefixes"),
     ("--prefix-ttl-s", "memory.prefix_ttl_s", "drop idle cached blocks after this many seconds"),
+    ("--kv-cache-dtype", "memory.kv_cache_dtype", "KV cache storage (int8/fp8: ~2x the tokens)"),
+    (
+        "--quantization-gate",
+        "memory.quantization_gate",
+        "measure perplexity vs float before serving a quantized mode",
+    ),
+    ("--force-quantization", "memory.force_quantization", "serve even if the gate fails"),
     (
         "--session-turns",
         "memory.session_turns",
@@ -236,6 +244,7 @@ FLAG_OF: dict[str, str] = {key: flag for flag, key, _ in _FLAGS}
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": DTYPES,
     "model.quantization": QUANTIZATIONS,
+    "memory.kv_cache_dtype": KV_CACHE_DTYPES,
     "hardware.dtype": DTYPES,
     "limits.truncation": TRUNCATION_MODES,
 }

@@ -73,7 +73,7 @@ def build_engine(
     # The tokenizer (Rust, off the GIL) loads while torch dequantizes the weights.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(load_tokenizer, path, family)
-        loaded = load_model(path, dtype, device)
+        loaded = load_model(path, dtype, device, weight_cache=config.model.weight_cache)
         tokenizer = tokenizer_future.result()
     if config.model.quantization != "none":
         from tidal.quant.registry import quantize_model

@@ -9,7 +9,8 @@
  * x is float32 (M, K) with row stride ldx, y float32 (M, N) contiguous, scales/mins float32,
  * bias float32 (N,) or NULL. Decode steps have few rows, so the cost is reading the weights once:
  * a weight row is converted to float in registers and reused by up to 4 rows of x while it sits
- * in L1. Every (m, n) result is computed by the same sequence of float operations whatever M is
+ * in L1 (one weight row at a time: interleaving several rows' streams was measured slower on the
+ * DRAM-bound LM head). Every (m, n) result is computed by the same sequence of float operations whatever M is
  * and wherever row m falls in a tile, so a sequence's result does not depend on its batch.
  *
  * Built at first use by tidal/kernels/build.py (-O3 -march=native -fopenmp); without AVX2+FMA the
@@ -89,35 +90,6 @@ static inline __attribute__((always_inline)) void int8_row(const float *x, int64
 #endif
 }
 
-/* one row of x against weight rows n..n+3: four independent FMA chains for single-sequence decode;
- * per (m, n) the same operations, in the same order, as int8_row */
-static void int8_1x4(const float *x, const int8_t *w, const float *s, int64_t ng, int64_t K,
-                     int64_t G, float *out) {
-#ifdef TIDAL_AVX2
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += G) {
-        __m256 g0 = _mm256_setzero_ps(), g1 = _mm256_setzero_ps();
-        __m256 g2 = _mm256_setzero_ps(), g3 = _mm256_setzero_ps();
-        for (int64_t k = k0; k < k0 + G; k += 8) {
-            __m256 xv = _mm256_loadu_ps(x + k);
-            g0 = _mm256_fmadd_ps(i8x8_to_ps(w + k), xv, g0);
-            g1 = _mm256_fmadd_ps(i8x8_to_ps(w + K + k), xv, g1);
-            g2 = _mm256_fmadd_ps(i8x8_to_ps(w + 2 * K + k), xv, g2);
-            g3 = _mm256_fmadd_ps(i8x8_to_ps(w + 3 * K + k), xv, g3);
-        }
-        int64_t gi = k0 / G;
-        a0 = _mm256_fmadd_ps(g0, _mm256_set1_ps(s[gi]), a0);
-        a1 = _mm256_fmadd_ps(g1, _mm256_set1_ps(s[ng + gi]), a1);
-        a2 = _mm256_fmadd_ps(g2, _mm256_set1_ps(s[2 * ng + gi]), a2);
-        a3 = _mm256_fmadd_ps(g3, _mm256_set1_ps(s[3 * ng + gi]), a3);
-    }
-    out[0] = hsum256(a0); out[1] = hsum256(a1); out[2] = hsum256(a2); out[3] = hsum256(a3);
-#else
-    for (int r = 0; r < 4; r++) int8_row(x, 0, 1, w + r * K, s + r * ng, K, G, out + r);
-#endif
-}
-
 void tidal_int8_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const int8_t *codes,
                          const float *scales, int64_t G, const float *bias, float *y, int64_t N,
                          int nthreads) {
@@ -130,18 +102,11 @@ void tidal_int8_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, cons
         for (int64_t m = 0; m < M; m += MT) {
             int mt = (int)(M - m < MT ? M - m : MT);
             const float *xm = x + m * ldx;
-            if (mt < MT && nr == 4) {  /* a short tile of x: each row against 4 weight rows */
-                for (int i = 0; i < mt; i++) {
-                    int8_1x4(xm + i * ldx, codes + n0 * K, scales + n0 * ng, ng, K, G, out);
-                    for (int r = 0; r < 4; r++)
-                        y[(m + i) * N + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
-                }
-                continue;
-            }
             for (int64_t n = n0; n < n0 + nr; n++) {
                 const int8_t *wn = codes + n * K;
                 const float *sn = scales + n * ng;
-                switch (mt) {  /* constant heights: the per-row loops unroll into registers */
+                if (G == 32 && mt == 4) int8_row(xm, ldx, 4, wn, sn, K, 32, out);
+                else switch (mt) {  /* constant heights: the per-row loops unroll into registers */
                 case 4: int8_row(xm, ldx, 4, wn, sn, K, G, out); break;
                 case 3: int8_row(xm, ldx, 3, wn, sn, K, G, out); break;
                 case 2: int8_row(xm, ldx, 2, wn, sn, K, G, out); break;
@@ -155,18 +120,6 @@ void tidal_int8_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, cons
 
 /* ---- int4, groups of 32 with a scale and a min each ---- */
 
-#ifdef TIDAL_AVX2
-static inline __attribute__((always_inline)) __m256 int4_group_dot(const uint8_t *q, __m256 x0, __m256 x1,
-                                                                   __m256 x2, __m256 x3) {
-    const __m128i low = _mm_set1_epi8(0x0F);
-    __m128i b = _mm_loadu_si128((const __m128i *)q);
-    __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
-    __m256 g = _mm256_mul_ps(u8x8_to_ps(lo), x0);
-    g = _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(lo, 8)), x1, g);
-    g = _mm256_fmadd_ps(u8x8_to_ps(hi), x2, g);
-    return _mm256_fmadd_ps(u8x8_to_ps(_mm_srli_si128(hi, 8)), x3, g);
-}
-#endif
 
 
 static inline __attribute__((always_inline)) void int4_row(const float *x, int64_t ldx, int mt, const float *xsum, int64_t ng,
@@ -178,7 +131,7 @@ static inline __attribute__((always_inline)) void int4_row(const float *x, int64
     const __m128i low = _mm_set1_epi8(0x0F);
     for (int64_t gi = 0; gi < ng; gi++) {
         int64_t k = gi * Q4_GROUP;
-        /* unpacked once for the whole tile; the same operations per row as int4_group_dot */
+        /* unpacked once for the whole tile of x rows */
         __m128i b = _mm_loadu_si128((const __m128i *)(q + k / 2));
         __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
         __m256 w0 = u8x8_to_ps(lo), w1 = u8x8_to_ps(_mm_srli_si128(lo, 8));
@@ -214,30 +167,6 @@ static inline __attribute__((always_inline)) void int4_row(const float *x, int64
 #endif
 }
 
-/* one row of x against weight rows n..n+3; per (m, n) the same operations as int4_row */
-static void int4_1x4(const float *x, const float *xsum, int64_t ng, const uint8_t *q,
-                     const float *s, const float *mn, int64_t K, float *out) {
-#ifdef TIDAL_AVX2
-    __m256 acc[4];
-    float off[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int r = 0; r < 4; r++) acc[r] = _mm256_setzero_ps();
-    for (int64_t gi = 0; gi < ng; gi++) {
-        const float *xr = x + gi * Q4_GROUP;
-        __m256 x0 = _mm256_loadu_ps(xr), x1 = _mm256_loadu_ps(xr + 8);
-        __m256 x2 = _mm256_loadu_ps(xr + 16), x3 = _mm256_loadu_ps(xr + 24);
-        for (int r = 0; r < 4; r++) {
-            __m256 g = int4_group_dot(q + r * (K / 2) + gi * (Q4_GROUP / 2), x0, x1, x2, x3);
-            acc[r] = _mm256_fmadd_ps(g, _mm256_set1_ps(s[r * ng + gi]), acc[r]);
-            off[r] += mn[r * ng + gi] * xsum[gi];
-        }
-    }
-    for (int r = 0; r < 4; r++) out[r] = hsum256(acc[r]) + off[r];
-#else
-    for (int r = 0; r < 4; r++)
-        int4_row(x, 0, 1, xsum, ng, q + r * (K / 2), s + r * ng, mn + r * ng, out + r);
-#endif
-}
-
 /* Sums of each row of x over each group of 32: the mins' share of the dot products. */
 static void group_sums(const float *x, int64_t M, int64_t K, int64_t ldx, float *xsum) {
     int64_t ng = K / Q4_GROUP;
@@ -266,15 +195,6 @@ int tidal_int4_gemm_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const
         for (int64_t m = 0; m < M; m += MT) {
             int mt = (int)(M - m < MT ? M - m : MT);
             const float *xm = x + m * ldx, *xs = xsum + m * ng;
-            if (mt < MT && nr == 4) {
-                for (int i = 0; i < mt; i++) {
-                    int4_1x4(xm + i * ldx, xs + i * ng, ng, packed + n0 * (K / 2), scales + n0 * ng,
-                             mins + n0 * ng, K, out);
-                    for (int r = 0; r < 4; r++)
-                        y[(m + i) * N + n0 + r] = out[r] + (bias ? bias[n0 + r] : 0.0f);
-                }
-                continue;
-            }
             for (int64_t n = n0; n < n0 + nr; n++) {
                 const uint8_t *qn = packed + n * (K / 2);
                 const float *sn = scales + n * ng, *mn = mins + n * ng;

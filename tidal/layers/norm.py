@@ -16,14 +16,24 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.gemma = gemma
         self.weight = nn.Parameter(torch.zeros(dim) if gemma else torch.ones(dim))
+        self._scale: torch.Tensor | None = None  # Gemma's (1 + w), see _gemma_scale
+        self._scale_key: tuple | None = None
+
+    def _gemma_scale(self) -> torch.Tensor:
+        """float32 (1 + w), kept between calls while the weight is the same, unchanged tensor."""
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.device)
+        if self._scale_key != key:
+            self._scale = 1.0 + w.detach().float()
+            self._scale_key = key
+        return self._scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One fused op where the result is the same (a decode step runs ~100 norms: per-op
         # overhead matters): Gemma's float32 (1 + w), or Llama's w on a float32 model.
         if self.gemma:
-            return F.rms_norm(x.float(), self.weight.shape, 1.0 + self.weight.float(), self.eps).to(
-                x.dtype
-            )
+            normed = F.rms_norm(x.float(), self.weight.shape, self._gemma_scale(), self.eps)
+            return normed.to(x.dtype)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()

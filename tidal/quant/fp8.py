@@ -50,8 +50,8 @@ class Fp8Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.out_dtype = out_dtype
-        self.register_buffer("codes", codes)  # (N, K) float8_e4m3fn
-        self.register_buffer("scales", scales)  # (N,) float32
+        self.register_buffer("codes", codes.contiguous())  # (N, K) float8_e4m3fn
+        self.register_buffer("scales", scales.float().contiguous())  # (N,) float32
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
 
     @classmethod
