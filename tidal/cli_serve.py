@@ -116,7 +116,11 @@ def serve(cfg: TidalConfig) -> int:
         engine.on_fatal = lambda: setattr(server, "should_exit", True)
     host, port = sock.getsockname()[:2]
     # Tests and scripts read the port from this line (--port 0 picks a free one).
-    print(f"tidal: serving {state.served_name!r} listening on http://{host}:{port}", flush=True)
+    # One write() for the whole line: print() writes the text and the newline separately, and the
+    # engine process shares this stdout, so a log line could land between them (a wrapper reading
+    # the address then saw "...:35041" run into the next line's date).
+    sys.stdout.write(f"tidal: serving {state.served_name!r} listening on http://{host}:{port}\n")
+    sys.stdout.flush()
     server.run(sockets=[sock])
     fatal = getattr(engine, "fatal", None)
     if fatal:

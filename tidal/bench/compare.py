@@ -23,7 +23,8 @@ from tidal.bench.stream_client import RequestOptions, RequestRecord
 
 DEFAULT_NUM_REQUESTS = 8  # 4 chat sessions x 2 turns: server start-up dominates on 2 busy cores
 DEFAULT_CONCURRENCY = 4
-_LISTENING = re.compile(r"listening on (http://[\w.\-\[\]:]+)")
+# The address ends the line (servers write it in one write()); anything else is not trusted.
+_LISTENING = re.compile(r"listening on (http://(?:[\w.\-]+|\[[0-9a-fA-F:]+\]):\d{1,5})\s*$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
                 runs.append(stats)
                 records.append(recs)
             notes.setdefault(name, f"{t.about}; ready after {load_s:.0f} s")
-        except (RuntimeError, OSError) as e:
+        except (RuntimeError, OSError, ValueError) as e:  # ValueError: http.client.InvalidURL
             notes[name] = f"failed: {e}"
             print(f"{name}: {notes[name]}", file=sys.stderr)
         finally:

@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     server = StaticBatchServer(model, tok, args.batch_size, args.collect_ms / 1000.0)
     app = build_app(server, args.served_model_name or path.stem)
     host, port = sock.getsockname()[:2]
-    print(f"hf-static: BASELINE listening on http://{host}:{port}", flush=True)
+    sys.stdout.write(f"hf-static: BASELINE listening on http://{host}:{port}\n")  # one write
+    sys.stdout.flush()
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
     return 0
 
