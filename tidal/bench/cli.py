@@ -123,7 +123,13 @@ def loads_from_args(args: argparse.Namespace) -> list[LoadSpec]:
     return [LoadSpec(concurrency=int(c)) for c in _numbers(args.concurrency, "concurrency", int)]
 
 
-def trace_from_args(args: argparse.Namespace) -> list[TraceRequest]:
+def traces_from_args(args: argparse.Namespace, num_loads: int) -> list[list[TraceRequest]]:
+    """One trace per offered load, seeds --seed, --seed + 1, ...: the same prompts for every
+    target, never the same prompts twice against one server."""
+    return [trace_from_args(args, args.seed + i) for i in range(num_loads)]
+
+
+def trace_from_args(args: argparse.Namespace, seed: int | None = None) -> list[TraceRequest]:
     spec = WorkloadSpec(
         name=args.workload,
         input_len=parse_length(args.input_len, "input_len"),
@@ -133,7 +139,7 @@ def trace_from_args(args: argparse.Namespace) -> list[TraceRequest]:
         api=args.api,
         jsonl_path=args.jsonl,
     )
-    return build_trace(spec, args.num_requests, args.seed)
+    return build_trace(spec, args.num_requests, args.seed if seed is None else seed)
 
 
 def write_outputs(
@@ -161,7 +167,7 @@ def write_outputs(
 def run(args: argparse.Namespace) -> int:
     """`tidal bench run`: one run per offered load against --base-url."""
     loads = loads_from_args(args)
-    trace = trace_from_args(args)
+    traces = traces_from_args(args, len(loads))
     model = args.model or asyncio.run(resolve_model(args.base_url, args.api_key))
     cfg = RunConfig(
         base_url=args.base_url,
@@ -174,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
         probe_interval_s=args.metrics_interval_s,
         progress=args.progress,
     )
-    results = run_sweep(cfg, trace, loads)
+    results = run_sweep(cfg, traces, loads)
     write_outputs(
         args, [s for s, _ in results], [r for _, r in results], {"workload": vars_of(args)}
     )

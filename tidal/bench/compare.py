@@ -186,13 +186,14 @@ def run(args: argparse.Namespace) -> int:
     """`tidal bench compare`: every target in turn on the same trace and loads; one table."""
     import asyncio
 
-    from tidal.bench.cli import loads_from_args, trace_from_args, vars_of, write_outputs
+    from tidal.bench.cli import loads_from_args, traces_from_args, vars_of, write_outputs
 
     names = [n.strip() for n in args.targets.split(",") if n.strip()]
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
         raise ValueError(f"targets={unknown} is invalid: expected names from {list(TARGETS)}")
-    loads, trace = loads_from_args(args), trace_from_args(args)
+    loads = loads_from_args(args)
+    traces = traces_from_args(args, len(loads))
     model = Path(args.model) if args.model else None
     log_dir = Path(
         args.log_dir or (Path(args.json).parent if args.json else "/tmp") / "compare_logs"
@@ -229,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
                 probe_interval_s=args.metrics_interval_s,
                 progress=args.progress,
             )
-            for stats, recs in run_sweep(cfg, trace, loads):
+            for stats, recs in run_sweep(cfg, traces, loads):
                 runs.append(stats)
                 records.append(recs)
             notes.setdefault(name, f"{t.about}; ready after {load_s:.0f} s")

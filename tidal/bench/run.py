@@ -199,11 +199,15 @@ async def _replay(
 
 
 def run_sweep(
-    cfg: RunConfig, trace: Sequence[TraceRequest], loads: Sequence[LoadSpec]
+    cfg: RunConfig, traces: Sequence[Sequence[TraceRequest]], loads: Sequence[LoadSpec]
 ) -> list[tuple[RunStats, list[RequestRecord]]]:
-    """One run per load, in order, each printing its one-line summary to stderr."""
+    """One run per load, in order, load i replaying traces[i], each printing its one-line summary
+    to stderr. Distinct traces per load keep one run's prompts out of the next run's prefix cache
+    (the server stays up across the sweep); every target replays the same list."""
+    if len(traces) != len(loads):
+        raise ValueError(f"{len(traces)} traces for {len(loads)} loads: expected one per load")
     out = []
-    for load in loads:
+    for trace, load in zip(traces, loads, strict=True):
         stats, records = asyncio.run(run_load(cfg, trace, load))
         print(stats.line(), file=sys.stderr, flush=True)
         out.append((stats, records))
