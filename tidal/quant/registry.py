@@ -69,10 +69,14 @@ def quantize_model(model: nn.Module, scheme: str) -> QuantSummary:
         and head.weight is embed.weight
     )
     count = 0
+    # A scheme may keep the LM head at higher precision than the rest (int4 does, like GGUF's
+    # Q4_K_M keeps token_embd at Q8_0/Q6_K): every logit over a 262k vocabulary reads it.
+    quantize_head = getattr(impl, "quantize_head", impl.quantize_linear)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, impl.quantize_linear(child))
+                is_head = parent is model and name == "lm_head"
+                setattr(parent, name, (quantize_head if is_head else impl.quantize_linear)(child))
                 count += 1
     if tied:
         assert inner is not None and isinstance(embed, nn.Embedding)
