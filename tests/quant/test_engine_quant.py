@@ -12,6 +12,7 @@ from tidal import LLM, SamplingParams
 from tidal.config.model import ModelConfig
 from tidal.loader.model_loader import load_model
 from tidal.quant.int4 import Int4Linear
+from tidal.quant.int8 import Int8Linear
 from tidal.quant.registry import quantize_model
 
 
@@ -23,7 +24,10 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_llm_generates_with_the_quantized_model(tiny_dir: Path) -> None:
     # The swap, not the gate, is under test (the gate refuses int4 on this random model: +1.3%).
     llm = LLM(str(tiny_dir), quantization="int4", kv_cache_bytes=1 << 22, quantization_gate=False)
-    assert isinstance(llm.engine.loaded.model.lm_head, Int4Linear)
+    model = llm.engine.loaded.model
+    # int4 keeps the LM head in int8 (tidal.quant.int4.quantize_head); the blocks are int4
+    assert isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.model.layers[0].mlp.gate_proj, Int4Linear)
     prompt = [1, 40, 41, 42, 43]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)

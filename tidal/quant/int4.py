@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from tidal.kernels.int8_gemm import int4_gemm
-from tidal.quant.int8 import KERNEL_MAX_ROWS, Int8Linear
+from tidal.quant.int8 import KERNEL_MAX_ROWS, Int8Linear, blocked_matmul
 
 # 32 matches the sub-blocks of GGUF's Q4_K (whose scale-and-min form this is) and the blocks of
 # Q5_0; the C kernel is written for it.
@@ -108,15 +108,11 @@ class Int4Linear(nn.Module):
         return y.to(self.out_dtype).reshape(*lead, self.out_features)
 
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        n = self.out_features
-        step = max(1, BLOCK_VALUES // self.in_features)
-        out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-        for i in range(0, n, step):
-            rows = dequantize(
-                self.packed[i : i + step], self.scales[i : i + step], self.mins[i : i + step]
-            )
-            out[:, i : i + step] = x @ rows.t()
-        return out
+        return blocked_matmul(
+            x,
+            self.out_features,
+            lambda a, b: dequantize(self.packed[a:b], self.scales[a:b], self.mins[a:b]),
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight this module multiplies by."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -57,6 +59,18 @@ def dequantize_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return (codes.float().reshape(n, g, k // g) * scales[..., None]).reshape(n, k)
 
 
+def blocked_matmul(
+    x: torch.Tensor, out_features: int, rows: Callable[[int, int], torch.Tensor]
+) -> torch.Tensor:
+    """(M, K) float32 x @ W.T -> (M, N) float32, where rows(a, b) dequantizes W[a:b] to float32:
+    about BLOCK_VALUES weights at a time, so the float copy stays a few MiB (LM head: 671 MB)."""
+    step = max(1, BLOCK_VALUES // x.shape[1])
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32, device=x.device)
+    for i in range(0, out_features, step):
+        out[:, i : i + step] = x @ rows(i, min(i + step, out_features)).t()
+    return out
+
+
 class Int8Linear(nn.Module):
     """y = x @ w.T + bias with w = codes * scales per group of `group_size` inputs.
 
@@ -100,14 +114,9 @@ class Int8Linear(nn.Module):
         return y.to(self.out_dtype).reshape(*lead, self.out_features)
 
     def _dequant_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """(M, K) float32 -> (M, N) float32, one block of weight rows at a time."""
-        n = self.out_features
-        step = max(1, BLOCK_VALUES // self.in_features)
-        out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
-        for i in range(0, n, step):
-            rows = dequantize_groups(self.codes[i : i + step], self.scales[i : i + step])
-            out[:, i : i + step] = x @ rows.t()
-        return out
+        return blocked_matmul(
+            x, self.out_features, lambda a, b: dequantize_groups(self.codes[a:b], self.scales[a:b])
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight this module multiplies by."""
