@@ -105,7 +105,9 @@ async def run_load(
         return time.perf_counter() - start
 
     # One pooled session: keep-alive connections, no per-request TCP/handshake cost in TTFT.
-    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+    # Idle connections are dropped after 4 s, before servers close them (llama-server's HTTP
+    # library closes after 5 s): reusing one the server closed fails the request before it is sent.
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4)
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         client = StreamClient(cfg.base_url, cfg.options, clock, session)

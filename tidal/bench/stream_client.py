@@ -98,6 +98,9 @@ def _carries_token(chunk: dict[str, Any]) -> bool:
     return False
 
 
+_STALE_RETRIES = 3  # sends lost to pooled connections the server had closed, before giving up
+
+
 class StreamClient:
     """Sends requests on one aiohttp session (keep-alive connection pool) and records timings."""
 
@@ -115,7 +118,8 @@ class StreamClient:
         record.sent_s = self.clock()
         num_text_chunks = 0
         try:
-            async with self.session.post(self.base_url + path, json=body, headers=headers) as resp:
+            resp_cm = await self._post(path, body, headers)
+            async with resp_cm as resp:
                 if resp.status != 200:
                     text = (await resp.text())[:200]
                     record.error = f"HTTP {resp.status}: {text}"
@@ -134,6 +138,21 @@ class StreamClient:
         if record.error is None and record.num_output_tokens == 0:
             record.num_output_tokens = num_text_chunks  # no usage: one token per chunk
         return record
+
+    async def _post(self, path: str, body: dict, headers: dict) -> Any:
+        """The response of one POST. A pooled keep-alive connection the server closed while idle
+        fails before any response (ServerDisconnectedError, or an OSError writing the body); such
+        a request never reached the server, so it is sent once more on a fresh connection
+        (llama-server closes idle connections; without this, 2 of 12 requests failed there). Only
+        these errors before any response are retried; anything later fails the request."""
+        import aiohttp
+
+        for _ in range(_STALE_RETRIES):
+            try:
+                return await self.session.post(self.base_url + path, json=body, headers=headers)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError):
+                pass  # the pool may hold several closed connections: take the next
+        return await self.session.post(self.base_url + path, json=body, headers=headers)
 
     def _on_event(self, event: bytes, record: RequestRecord) -> int:
         """Handle one SSE event; 1 when it carried text."""
