@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -51,15 +50,6 @@ def _metrics(server: ServerProcess) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
-
-
-def _wait_until(check, what: str, server: ServerProcess) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} never happened:\n{server.log}")
 
 
 def _ready_status(server: ServerProcess) -> int:
@@ -144,20 +134,20 @@ def test_sigkill_under_load_fails_started_and_reruns_waiting(
             long_plain = pool.submit(_long, server)
             assert first_chunk.wait(DEADLINE_S), server.log
             # Both long requests have had tokens delivered to the API side: both have started.
-            _wait_until(
+            server.wait_until(
                 lambda: _metrics(server).get("tidal:time_to_first_token_seconds_count") == 2,
                 "2 first tokens",
-                server,
+                DEADLINE_S,
             )
             shorts = [pool.submit(_short, server, p) for p in prompts]
-            _wait_until(
+            server.wait_until(
                 lambda: _metrics(server).get("tidal:num_requests_waiting") == 3,
                 "3 requests waiting",
-                server,
+                DEADLINE_S,
             )
             os.kill(_engine_pid(server, 0), signal.SIGKILL)
-            _wait_until(lambda: _ready_status(server) == 503, "/ready 503", server)
-            _wait_until(lambda: _ready_status(server) == 200, "/ready 200 again", server)
+            server.wait_until(lambda: _ready_status(server) == 503, "/ready 503", DEADLINE_S)
+            server.wait_until(lambda: _ready_status(server) == 200, "/ready 200 again", DEADLINE_S)
             long_lines = long_run.result(DEADLINE_S)
             plain = long_plain.result(DEADLINE_S)
             waiting = [(p, f.result(DEADLINE_S)) for p, f in zip(prompts, shorts, strict=True)]

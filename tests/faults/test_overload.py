@@ -5,7 +5,6 @@ meet is refused up front, and KV usage and the API process's memory return to id
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,15 +54,6 @@ def _metrics(server: ServerProcess) -> dict[str, float]:
     return out
 
 
-def _wait_until(check, what: str, server: ServerProcess) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"{what} never happened:\n{server.log[-4000:]}")
-
-
 def _rss(server: ServerProcess) -> int:
     return psutil.Process(server.proc.pid).memory_info().rss
 
@@ -99,7 +89,9 @@ def test_retry_after_is_the_queue_over_the_finish_rate_clamped() -> None:
 def test_200_clients_against_a_queue_of_32(server: ServerProcess) -> None:
     # A small storm first, so the idle figure already includes what serving once allocates.
     asyncio.run(_storm(server.base_url, 8))
-    _wait_until(lambda: _metrics(server)["tidal:num_requests_running"] == 0, "idle", server)
+    server.wait_until(
+        lambda: _metrics(server)["tidal:num_requests_running"] == 0, "idle", DEADLINE_S
+    )
     rss_idle = _rss(server)
 
     results = asyncio.run(_storm(server.base_url, NUM_CLIENTS))
@@ -118,14 +110,14 @@ def test_200_clients_against_a_queue_of_32(server: ServerProcess) -> None:
         assert body["error"]["code"] == "queue_full"
         assert MIN_RETRY_AFTER_S <= int(headers["Retry-After"]) <= MAX_RETRY_AFTER_S
 
-    _wait_until(
+    server.wait_until(
         lambda: (
             (m := _metrics(server))["tidal:kv_cache_usage_ratio"] == 0.0
             and m["tidal:num_requests_running"] == 0
             and m["tidal:num_requests_waiting"] == 0
         ),
         "KV usage back to 0",
-        server,
+        DEADLINE_S,
     )
     m = _metrics(server)
     assert m["tidal:request_rejected_total"] >= len(rejected)
@@ -141,10 +133,10 @@ def test_a_deadline_the_queue_cannot_meet_is_refused_up_front(server: ServerProc
         # Fill the queue, then ask for a deadline far shorter than the wait behind it.
         storm = asyncio.ensure_future(_storm(server.base_url, MAX_NUM_SEQS + MAX_QUEUE))
         await asyncio.to_thread(
-            _wait_until,
+            server.wait_until,
             lambda: _metrics(server)["tidal:num_requests_waiting"] >= MAX_QUEUE // 2,
             "a long queue",
-            server,
+            DEADLINE_S,
         )
         async with aiohttp.ClientSession() as session:
             body = _body("Late", timeout_s=0.001)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import tokenizers
@@ -111,6 +111,15 @@ class ServerProcess:
     @property
     def log(self) -> str:
         return "".join(self.lines)
+
+    def wait_until(self, check: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+        """Poll check() every 20 ms; fail with the server's log tail when it never holds."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if check():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{what} never happened:\n{self.log[-4000:]}")
 
 
 def serve(args: list[str]) -> Iterator[ServerProcess]:
