@@ -1,0 +1,240 @@
+"""gguf_gemm against gguf-py's dequantize + a float64 matmul, for every ggml type and ISA path here.
+
+Tolerances, per output y[m, n], with S = sum_k |x[m, k]| * |w[n, k]|:
+  act f32: |y - x @ w.T| <= 1e-5 * S (float32 sums of up to 2048 terms; measured ~3e-8).
+  act q8:  |y - xq @ w.T| <= 1e-5 * Sq, xq = x quantized as the kernel does (emulated in numpy),
+           and against the exact product the quantization bound |y - x @ w.T| <= sum_k |w| |x - xq|
+           (+ 1e-5 * S): typically ~1e-3 * S.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gq
+
+from tidal.kernels import gguf_gemm as gg
+from tidal.kernels.bench_gguf import random_blocks
+
+pytestmark = pytest.mark.skipif(not gg.available(), reason="no C compiler: the torch fallback runs")
+
+ISAS = gg.isas() if gg.available() else []
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+QUANTIZABLE = (Q.Q8_0, Q.Q4_0, Q.Q5_0)  # gguf-py 0.x quantizes these; K-quants are random blocks
+F32_TOL, Q8_TOL = 1e-5, 1e-5
+
+
+def _k_of(t: Q, blocks32: int = 7, blocks256: int = 2) -> int:
+    """K = 32 * odd for the 32-blocks, 256 * k for the K-quants."""
+    return 32 * blocks32 if gg._BLOCKS[int(t)][1] == 32 else 256 * blocks256
+
+
+@functools.cache
+def weight(t: Q, n: int, k: int, seed: int = 0, random_bytes: bool = False) -> gg.BlockWeight:
+    if t in QUANTIZABLE and not random_bytes:
+        data = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32) * 0.05
+        return gg.BlockWeight(torch.from_numpy(gq.quantize(data, t)), int(t), n, k)
+    return random_blocks(int(t), n, k, seed)  # valid blocks of random codes
+
+
+def dequantized(w: gg.BlockWeight) -> np.ndarray:
+    """gguf-py's float32 dequantization, (rows, cols)."""
+    return gq.dequantize(w.blocks.numpy(), Q(w.ggml_type)).reshape(w.rows, w.cols)
+
+
+def quantize_x(x: np.ndarray, group: int) -> np.ndarray:
+    """The kernel's q8 activations, dequantized: per group amax/127 scales, round half to even."""
+    g = x.astype(np.float32).reshape(x.shape[0], -1, group)
+    amax = np.abs(g).max(axis=-1, keepdims=True)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(g * inv)
+    return (q.astype(np.float64) * d.astype(np.float64)).reshape(x.shape)
+
+
+def check(y: torch.Tensor, x: torch.Tensor, w: gg.BlockWeight, act: str) -> None:
+    wd = dequantized(w).astype(np.float64)
+    xd = x.numpy().astype(np.float64)
+    exact, scale = xd @ wd.T, np.abs(xd) @ np.abs(wd).T
+    got = y.numpy().astype(np.float64)
+    if act == "f32":
+        err = np.abs(got - exact) / np.maximum(scale, 1e-30)
+        assert err.max() <= F32_TOL, f"f32: max error {err.max():.2e} of S"
+        return
+    xq = quantize_x(xd, gg._BLOCKS[w.ggml_type][1])
+    emulated, scale_q = xq @ wd.T, np.abs(xq) @ np.abs(wd).T
+    err = np.abs(got - emulated) / np.maximum(scale_q, 1e-30)
+    assert err.max() <= Q8_TOL, f"q8 vs emulated quantization: max error {err.max():.2e} of Sq"
+    bound = np.abs(xd - xq) @ np.abs(wd).T + 1e-5 * scale
+    assert (np.abs(got - exact) <= bound).all(), "q8 outside its quantization error bound"
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("act", gg.ACTS)
+def test_matches_reference_for_every_batch_size(isa: str, t: Q, act: str) -> None:
+    n, k = 37, _k_of(t)  # 37: not a multiple of any tile or chunk
+    w = weight(t, n, k)
+    torch.manual_seed(1)
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 14, 31, 32, 33, 64):
+        x = torch.randn(m, k)
+        y = gg.gguf_gemm(x, [w], act, isa)
+        assert y is not None and y.shape == (m, n) and y.dtype == torch.float32
+        check(y, x, w, act)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("act", gg.ACTS)
+def test_q8_0_codes_of_minus_128(isa: str, act: str) -> None:
+    """ggml never writes -128, but a file may hold it: the sign trick must not overflow."""
+    w = weight(Q.Q8_0, 8, 96, random_bytes=True)
+    assert (w.blocks.numpy().reshape(8, 3, 34)[..., 2:] == 128).any()
+    x = torch.randn(5, 96)
+    check(gg.gguf_gemm(x, [w], act, isa), x, w, act)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("act", gg.ACTS)
+def test_rows_are_bit_identical_whatever_the_batch(isa: str, t: Q, act: str) -> None:
+    n, k = 21, _k_of(t, 3, 1)
+    w = weight(t, n, k)
+    torch.manual_seed(2)
+    x = torch.randn(13, k)
+    full = gg.gguf_gemm(x, [w], act, isa, threads=2)
+    for m in range(13):  # alone: row 0 of a tile of 1
+        assert torch.equal(gg.gguf_gemm(x[m : m + 1], [w], act, isa), full[m : m + 1])
+    for lo, hi in ((1, 6), (3, 10), (5, 13)):  # other places in other tiles
+        assert torch.equal(gg.gguf_gemm(x[lo:hi], [w], act, isa), full[lo:hi])
+    for threads in (1, 3):
+        assert torch.equal(gg.gguf_gemm(x, [w], act, isa, threads=threads), full)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("act", gg.ACTS)
+@pytest.mark.parametrize(
+    "types",
+    [(Q.Q5_0, Q.Q5_0, Q.Q8_0), (Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q4_0)],
+    ids=lambda ts: "+".join(t.name for t in ts),
+)
+def test_segments_equal_separate_calls(isa: str, act: str, types: tuple[Q, ...]) -> None:
+    k = 512  # shared by 32-blocks and K-quants
+    ws = [weight(t, n, k, seed=i) for i, (t, n) in enumerate(zip(types, (40, 9, 17, 3)))]
+    torch.manual_seed(3)
+    x = torch.randn(6, k)
+    fused = gg.gguf_gemm(x, ws, act, isa)
+    alone = torch.cat([gg.gguf_gemm(x, w, act, isa) for w in ws], dim=1)
+    assert torch.equal(fused, alone)
+    prepared = gg.BlockSegments(tuple(ws))
+    assert prepared.rows == fused.shape[1] and list(prepared) == ws
+    assert torch.equal(gg.gguf_gemm(x, prepared, act, isa), fused)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_strided_x_and_an_out_slice(isa: str) -> None:
+    w = weight(Q.Q5_0, 37, 224)
+    torch.manual_seed(4)
+    x = torch.randn(5, 300)[:, 10:234]  # row stride 300
+    wide = torch.full((5, 50), -1.0)
+    y = gg.gguf_gemm(x, [w], "q8", isa, out=wide[:, 3:40])
+    assert torch.equal(y, gg.gguf_gemm(x.contiguous(), [w], "q8", isa))
+    assert (wide[:, :3] == -1).all() and (wide[:, 40:] == -1).all()
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="only the scalar path runs here")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("act", gg.ACTS)
+def test_scalar_agrees_with_simd(t: Q, act: str) -> None:
+    k = _k_of(t)
+    w = weight(t, 19, k)
+    torch.manual_seed(5)
+    x = torch.randn(6, k)
+    fast, slow = gg.gguf_gemm(x, [w], act, ISAS[0]), gg.gguf_gemm(x, [w], act, "scalar")
+    scale = torch.from_numpy(np.abs(x.numpy()) @ np.abs(dequantized(w)).T)
+    assert ((fast - slow).abs() <= 2e-6 * scale).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_dequantize_is_bit_exact(isa: str, t: Q) -> None:
+    w = weight(t, 37, _k_of(t))
+    ref = dequantized(w)
+    rows = gg.dequantize_rows(w, 0, w.rows, isa)
+    assert np.array_equal(rows.numpy(), ref)
+    assert np.array_equal(gg.dequantize_rows(w, 5, 9, isa).numpy(), ref[5:9])
+    ids = torch.tensor([36, 0, 7, 7, 12])
+    assert np.array_equal(gg.dequantize_gather(w, ids, isa).numpy(), ref[ids.numpy()])
+    assert gg.dequantize_gather(w, torch.tensor([], dtype=torch.int64), isa).shape == (0, w.cols)
+
+
+def test_block_table_matches_the_loader() -> None:
+    from tidal.loader.gguf_file import BLOCK_SIZES, GGMLType
+
+    for t, (name, elems, nbytes) in gg._BLOCKS.items():
+        assert GGMLType(t).name == name and BLOCK_SIZES[GGMLType(t)] == (elems, nbytes)
+    assert GGMLType.Q8_0 in gg.SUPPORTED_TYPES
+
+
+def test_isas_and_the_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert ISAS[-1] == "scalar" and gg.default_isa() == ISAS[0]
+    monkeypatch.setenv("TIDAL_KERNEL_ISA", "scalar")
+    gg.default_isa.cache_clear()
+    try:
+        assert gg.default_isa() == "scalar"
+    finally:
+        gg.default_isa.cache_clear()
+
+
+def test_refusals_and_errors() -> None:
+    w = weight(Q.Q8_0, 4, 64)
+    x = torch.randn(2, 64)
+    assert gg.gguf_gemm(x.double(), [w]) is None
+    assert gg.gguf_gemm(torch.randn(64, 2).t(), [w]) is None  # inner stride 2
+    assert gg.gguf_gemm(torch.randn(0, 64), [w]).shape == (0, 4)
+    with pytest.raises(ValueError, match="K=32"):
+        gg.gguf_gemm(torch.randn(2, 32), [w])
+    with pytest.raises(ValueError, match="segments"):
+        gg.gguf_gemm(x, [w] * 5)
+    with pytest.raises(ValueError, match="share cols"):
+        gg.BlockSegments((w, weight(Q.Q8_0, 4, 96)))
+    with pytest.raises(ValueError, match="act"):
+        gg.gguf_gemm(x, [w], "int4")
+    with pytest.raises(ValueError, match="isa"):
+        gg.gguf_gemm(x, [w], isa="avx512")
+    with pytest.raises(ValueError, match="out"):
+        gg.gguf_gemm(x, [w], out=torch.empty(2, 5))
+    with pytest.raises(ValueError, match="ggml_type"):
+        gg.BlockWeight(torch.zeros(4, 36, dtype=torch.uint8), 3, 4, 64)  # Q4_1: not here
+    with pytest.raises(ValueError, match="cols"):
+        gg.BlockWeight(torch.zeros(4, 34, dtype=torch.uint8), int(Q.Q8_0), 4, 48)
+    with pytest.raises(ValueError, match="shape"):
+        gg.BlockWeight(torch.zeros(4, 34, dtype=torch.uint8), int(Q.Q8_0), 4, 64)
+    with pytest.raises(ValueError, match="rows"):
+        gg.dequantize_rows(w, 2, 5)
+    with pytest.raises(ValueError, match="ids"):
+        gg.dequantize_gather(w, torch.tensor([4]))
+
+
+def test_a_moved_storage_is_refused() -> None:
+    w = gg.BlockWeight(weight(Q.Q8_0, 4, 64).blocks.clone(), int(Q.Q8_0), 4, 64)
+    x = torch.randn(2, 64)
+    before, prepared = gg.gguf_gemm(x, w), gg.BlockSegments((w,))
+    w.blocks.share_memory_()  # re-points the tensor at a new storage
+    for segments in (w, [w, w], prepared):
+        with pytest.raises(ValueError, match="moved"):
+            gg.gguf_gemm(x, segments)
+    assert torch.equal(gg.gguf_gemm(x, gg.BlockWeight(w.blocks, int(Q.Q8_0), 4, 64)), before)
+
+
+def test_profiler_sees_the_kernel() -> None:
+    w = weight(Q.Q8_0, 4, 64)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        gg.gguf_gemm(torch.randn(2, 64), w)
+        gg.dequantize_rows(w, 0, 2)
+    names = {e.name for e in prof.events()}
+    assert {"tidal::gguf_gemm", "tidal::gguf_dequantize"} <= names

@@ -1,0 +1,721 @@
+/* Matrix multiply and row decoding straight from GGUF's packed quantized blocks, on CPU.
+ *
+ *   y[m, col0 + n] = sum_k x[m, k] * W[n, k]     x float32 (M, K), row stride ldx;
+ *                                                y float32, row stride ldy
+ * W's row n is its blocks exactly as they sit in the file: bytes [n*row_bytes, (n+1)*row_bytes).
+ * One block, little-endian (q the stored code, v the value dequantization gives):
+ *   Q8_0   34 B / 32:  d f16 | q int8[32]                                        v = d*q
+ *   Q4_0   18 B / 32:  d f16 | qs[16]: byte j holds q[j] (low nibble), q[j+16]    v = d*(q-8)
+ *   Q5_0   22 B / 32:  d f16 | qh u32: bit i = bit 4 of q[i] | qs[16] as Q4_0     v = d*(q-16)
+ *   Q4_K  144 B / 256: d f16 | dmin f16 | scales[12]: eight 6-bit (sc_j, m_j) | qs[128]: 32 B
+ *                      chunk c holds sub-block 2c (low nibbles), 2c+1 (high)  v = d*sc_j*q - dmin*m_j
+ *   Q5_K  176 B / 256: d | dmin | scales[12] | qh[32]: bit j of byte i = bit 4 of q[32j+i] | qs[128]
+ *   Q6_K  210 B / 256: ql[128] | qh[64] | sc int8[16] | d f16, in halves of 128 values: ql byte l
+ *                      (l < 64) holds q[l] (low nibble), q[l+64]; qh byte l (l < 32) bits 2t, 2t+1
+ *                      are bits 4-5 of q[l+32t]                                  v = d*sc_{i/16}*(q-32)
+ *
+ * act F32: weights are decoded in registers and meet float32 x in FMAs: the float32 matmul with
+ *   the dequantized weights, up to summation order.
+ * act Q8: each row of x is quantized once per call, to int8 with a float scale per 32 values for
+ *   the 32-blocks, per 256 with the sums of every 16 codes (ggml's Q8_K) for the K-quants; dot
+ *   products run on integer SIMD (AVX2 maddubs/madd) as in ggml-cpu: slightly different numbers.
+ *
+ * Batch invariance (the contract): every y[m, n] is computed by the same sequence of float
+ * operations whatever M is, wherever row m falls in a tile of MT rows, and whatever the thread
+ * count: a tile runs each of its rows through identical per-row code, a row's quantization
+ * depends on that row alone, and threads split the output columns, never a sum. (No -ffast-math;
+ * -std=c11 keeps floating-point contraction off in the plain C.)
+ *
+ * Work: ONE OpenMP region per call covers up to MAX_SEG matrices sharing K (fused q/k/v, gate/up,
+ * whose types may differ). Chunks of CHUNK weight rows are split statically over the threads; in
+ * a chunk, each tile of up to MT rows of x passes once over each weight row while it is in L1.
+ * Kernels: one function per (type, act, ISA), picked at run time by `isa`: ISA_AVX2 (compiled
+ * where the build has AVX2+FMA+F16C) or ISA_SCALAR (plain C, the same math summed in another
+ * order). An AVX-512/VNNI set is one more table in pick(). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#endif
+
+enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { ACT_F32 = 0, ACT_Q8 = 1 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1 };
+enum { ERR_TYPE = -1, ERR_SHAPE = -2, ERR_ISA = -3, ERR_NOMEM = -4 };
+
+#define MT 8             /* rows of x per pass over a weight row */
+#define CHUNK 16         /* weight rows per unit of work: in L1 across the tiles of x */
+#define PREFETCH_ROWS 4  /* the first tile fetches weight rows this far ahead (+15% on the LM head) */
+#define MAX_SEG 4
+#define X32_BYTES 36     /* quantized x per 32 values: float d | int8 q[32] */
+#define XK_BYTES 292     /* per 256: float d | int16 bsum[16] (sums of 16 codes) | int8 q[256] */
+#define ALWAYS static inline __attribute__((always_inline))
+
+/* 0 for a type this file does not multiply */
+int tidal_gguf_block_elems(int type) {
+    switch (type) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: return 32;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    default: return 0;
+    }
+}
+
+static int block_bytes(int type) {
+    switch (type) {
+    case T_Q4_0: return 18; case T_Q5_0: return 22; case T_Q8_0: return 34;
+    case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+int tidal_gguf_has_avx2(void) {
+#ifdef HAVE_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* exact fp16 -> float without F16C */
+static float half_to_float(const uint8_t *p) {
+    uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8, sign = (h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {  /* zero or subnormal: man * 2^-24 is exact in float */
+        float v = (float)man * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    bits = sign | (exp == 31 ? 0x7F800000u | man << 13 : (exp + 112) << 23 | man << 13);
+    float v;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* ---- a K-quant super-block decoded: v[i] = d*sc[i/16]*q[i] - dmin*mn[i/16] ----
+ * Q6_K keeps q unsigned (0..63) with mn = 32*sc and dmin = d, so one integer kernel serves all
+ * three. fs, fm = d*sc, dmin*mn as float, filled by the AVX2 decoder when asked. */
+typedef struct {
+    uint8_t q[256];
+    int16_t sc[16], mn[16];
+    float fs[16], fm[16];
+    float d, dmin;
+} kblock;
+
+/* Q4_K/Q5_K's 12 scale bytes -> bytes 0-7 the eight 6-bit scales, 8-15 the eight mins (layout
+ * drawn at tidal/loader/gguf_quants.py:_k_scale_min), four to a 32-bit word */
+static inline void k_unpack6(const uint8_t *s, uint32_t u[4]) {
+    memcpy(u, s, 12);
+    uint32_t mins03 = u[1] & 0x3F3F3F3Fu;
+    u[3] = ((u[2] >> 4) & 0x0F0F0F0Fu) | ((u[1] >> 6) & 0x03030303u) << 4; /* mins 4-7 */
+    u[1] = (u[2] & 0x0F0F0F0Fu) | ((u[0] >> 6) & 0x03030303u) << 4;        /* scales 4-7 */
+    u[2] = mins03;
+    u[0] &= 0x3F3F3F3Fu;                                                    /* scales 0-3 */
+}
+
+static void k_decode_scalar(int type, const uint8_t *b, kblock *k) {
+    if (type == T_Q6_K) {
+        for (int s = 0; s < 16; s++) {
+            k->sc[s] = (int8_t)b[192 + s];
+            k->mn[s] = (int16_t)(32 * k->sc[s]);
+        }
+        k->d = k->dmin = half_to_float(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            uint8_t *q = k->q + 128 * h;
+            for (int l = 0; l < 32; l++) {
+                q[l] = (ql[l] & 0xF) | (qh[l] & 3) << 4;
+                q[l + 32] = (ql[l + 32] & 0xF) | (qh[l] >> 2 & 3) << 4;
+                q[l + 64] = (ql[l] >> 4) | (qh[l] >> 4 & 3) << 4;
+                q[l + 96] = (ql[l + 32] >> 4) | (qh[l] >> 6) << 4;
+            }
+        }
+        return;
+    }
+    uint32_t u[4];
+    uint8_t v[16];
+    k_unpack6(b + 4, u);
+    memcpy(v, u, 16);
+    for (int j = 0; j < 8; j++) {
+        k->sc[2 * j] = k->sc[2 * j + 1] = v[j];
+        k->mn[2 * j] = k->mn[2 * j + 1] = v[8 + j];
+    }
+    k->d = half_to_float(b);
+    k->dmin = half_to_float(b + 2);
+    const uint8_t *qs = b + (type == T_Q5_K ? 48 : 16), *qh = b + 16;
+    for (int c = 0; c < 4; c++)
+        for (int i = 0; i < 32; i++) {
+            k->q[64 * c + i] = qs[32 * c + i] & 0xF;
+            k->q[64 * c + 32 + i] = qs[32 * c + i] >> 4;
+        }
+    if (type == T_Q5_K)
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < 32; i++) k->q[32 * j + i] |= (qh[i] >> j & 1) << 4;
+}
+
+/* a 32-block's signed values q (v = d*q); returns d */
+static float b32_decode_scalar(int type, const uint8_t *b, int8_t *q) {
+    if (type == T_Q8_0) {
+        memcpy(q, b + 2, 32);
+    } else {
+        const uint8_t *qs = b + (type == T_Q5_0 ? 6 : 2);
+        uint32_t qh = 0;
+        if (type == T_Q5_0) memcpy(&qh, b + 2, 4);
+        int off = type == T_Q5_0 ? 16 : 8;
+        for (int j = 0; j < 16; j++) {
+            q[j] = (int8_t)(((qs[j] & 0xF) | (qh >> j & 1) << 4) - off);
+            q[j + 16] = (int8_t)(((qs[j] >> 4) | (qh >> (j + 16) & 1) << 4) - off);
+        }
+    }
+    return half_to_float(b);
+}
+
+/* ---- quantizing a row of x; both ISAs write identical bytes (exact max, one rounding, RNE) ---- */
+
+static void quant_x_scalar(const float *x, int64_t K, int group, uint8_t *dst) {
+    int stride = group == 32 ? X32_BYTES : XK_BYTES;
+    for (int64_t g = 0; g < K / group; g++, x += group, dst += stride) {
+        float amax = 0.0f;
+        for (int i = 0; i < group; i++) amax = fmaxf(amax, fabsf(x[i]));
+        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int8_t *q = (int8_t *)(dst + (group == 32 ? 4 : 36));
+        for (int i = 0; i < group; i++) q[i] = (int8_t)rintf(x[i] * id);
+        memcpy(dst, &d, 4);
+        for (int s = 0; group == 256 && s < 16; s++) {
+            int16_t t = 0;
+            for (int i = 0; i < 16; i++) t = (int16_t)(t + q[16 * s + i]);
+            memcpy(dst + 4 + 2 * s, &t, 2);
+        }
+    }
+}
+
+/* ---- kernels: out[i] = row i of x (i < mt) against one weight row of nb blocks ---- */
+
+typedef void (*tile_fn)(const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx, int mt,
+                        float *out);
+
+static float b32_f32_row(int type, const uint8_t *w, int64_t nb, const float *x) {
+    float acc = 0.0f;
+    int8_t q[32];
+    for (int64_t b = 0; b < nb; b++, x += 32) {
+        float d = b32_decode_scalar(type, w + b * block_bytes(type), q), g = 0.0f;
+        for (int j = 0; j < 32; j++) g += (float)q[j] * x[j];
+        acc += g * d;
+    }
+    return acc;
+}
+
+static float b32_q8_row(int type, const uint8_t *w, int64_t nb, const uint8_t *x) {
+    float acc = 0.0f, dx;
+    int8_t q[32];
+    for (int64_t b = 0; b < nb; b++, x += X32_BYTES) {
+        const int8_t *xq = (const int8_t *)(x + 4);
+        float dw = b32_decode_scalar(type, w + b * block_bytes(type), q);
+        int32_t s = 0;
+        for (int j = 0; j < 32; j++) s += q[j] * xq[j];
+        memcpy(&dx, x, 4);
+        acc += (float)s * (dw * dx);
+    }
+    return acc;
+}
+
+static float k_f32_row(int type, const uint8_t *w, int64_t nb, const float *x) {
+    float acc = 0.0f;
+    kblock k;
+    for (int64_t b = 0; b < nb; b++, x += 256) {
+        k_decode_scalar(type, w + b * block_bytes(type), &k);
+        for (int j = 0; j < 256; j++)
+            acc += (k.d * k.sc[j / 16] * k.q[j] - k.dmin * k.mn[j / 16]) * x[j];
+    }
+    return acc;
+}
+
+static float k_q8_row(int type, const uint8_t *w, int64_t nb, const uint8_t *x) {
+    float acc = 0.0f, dx;
+    int16_t bsum[16];
+    kblock k;
+    for (int64_t b = 0; b < nb; b++, x += XK_BYTES) {
+        const int8_t *xq = (const int8_t *)(x + 36);
+        k_decode_scalar(type, w + b * block_bytes(type), &k);
+        int32_t s = 0, smin = 0;
+        for (int j = 0; j < 256; j++) s += k.sc[j / 16] * k.q[j] * xq[j];
+        memcpy(bsum, x + 4, 32);
+        for (int g = 0; g < 16; g++) smin += k.mn[g] * bsum[g];
+        memcpy(&dx, x, 4);
+        acc += (float)s * (k.d * dx) - (float)smin * (k.dmin * dx);
+    }
+    return acc;
+}
+
+#ifdef HAVE_AVX2
+/* ---- AVX2 + FMA + F16C ---- */
+
+static inline float half_f16c(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline __m256 i8x8_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+static inline __m256 u8x8_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+/* 16 bytes of nibbles -> 32 bytes: [j] = low nibble of byte j, [j+16] = its high nibble */
+static inline __m256i nibbles(const uint8_t *p) {
+    __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    b = _mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+    return _mm256_and_si256(b, _mm256_set1_epi8(0x0F));
+}
+
+/* 32 bits -> 32 bytes, 0xFF where bit i is set */
+static inline __m256i bit_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                              0x0303030303030303);
+    const __m256i sel = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread); /* byte i: bits' i/8 */
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
+}
+
+ALWAYS __m256i b32_decode_avx2(int type, const uint8_t *b, float *d) {
+    *d = half_f16c(b);
+    if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
+    if (type == T_Q4_0) return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    /* q - 16 as int8: the nibble where bit 4 is set, nibble | 0xF0 (= nibble - 16) where not */
+    __m256i below = _mm256_andnot_si256(bit_bytes(qh), _mm256_set1_epi8((char)0xF0));
+    return _mm256_or_si256(nibbles(b + 6), below);
+}
+
+static inline __m256 cvt16_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v)); }
+
+ALWAYS void k_decode_avx2(int type, const uint8_t *b, kblock *k, int floats) {
+    __m256i sc, mn;
+    if (type == T_Q6_K) {
+        sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
+        mn = _mm256_slli_epi16(sc, 5);
+        k->d = k->dmin = half_f16c(b + 208);
+    } else {
+        uint32_t u[4];
+        k_unpack6(b + 4, u);
+        __m128i v = _mm_set_epi32((int)u[3], (int)u[2], (int)u[1], (int)u[0]);
+        sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(v, v)); /* each scale for both its 16s */
+        mn = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(v, v));
+        k->d = half_f16c(b);
+        k->dmin = half_f16c(b + 2);
+    }
+    _mm256_store_si256((__m256i *)k->sc, sc);
+    _mm256_store_si256((__m256i *)k->mn, mn);
+    if (floats) { /* the single roundings of k.d * (float)k.sc[g] */
+        __m256 d = _mm256_set1_ps(k->d), dm = _mm256_set1_ps(k->dmin);
+        __m128i sc_hi = _mm256_extracti128_si256(sc, 1), mn_hi = _mm256_extracti128_si256(mn, 1);
+        _mm256_store_ps(k->fs, _mm256_mul_ps(d, cvt16_ps(_mm256_castsi256_si128(sc))));
+        _mm256_store_ps(k->fs + 8, _mm256_mul_ps(d, cvt16_ps(sc_hi)));
+        _mm256_store_ps(k->fm, _mm256_mul_ps(dm, cvt16_ps(_mm256_castsi256_si128(mn))));
+        _mm256_store_ps(k->fm + 8, _mm256_mul_ps(dm, cvt16_ps(mn_hi)));
+    }
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
+    __m256i *q = (__m256i *)k->q; /* the first member: callers align the kblock */
+#define OR_AND(a, ma, b, mb) _mm256_or_si256(_mm256_and_si256(a, ma), _mm256_and_si256(b, mb))
+    if (type == T_Q6_K) {
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));
+            __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+            q[4 * h] = OR_AND(l0, lo4, _mm256_slli_epi16(qh, 4), hi2);
+            q[4 * h + 1] = OR_AND(l1, lo4, _mm256_slli_epi16(qh, 2), hi2);
+            q[4 * h + 2] = OR_AND(_mm256_srli_epi16(l0, 4), lo4, qh, hi2);
+            q[4 * h + 3] = OR_AND(_mm256_srli_epi16(l1, 4), lo4, _mm256_srli_epi16(qh, 2), hi2);
+        }
+        return;
+    }
+    const uint8_t *qs = b + (type == T_Q5_K ? 48 : 16);
+    __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16)), bit4 = _mm256_set1_epi8(0x10);
+    for (int c = 0; c < 4; c++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+        __m256i lo = _mm256_and_si256(v, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+        if (type == T_Q5_K) { /* bit j of qh's bytes is bit 4 of sub-block j: move it to bit 4 */
+            lo = OR_AND(lo, lo4, _mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c), 4), bit4);
+            hi = OR_AND(hi, lo4, _mm256_slli_epi16(_mm256_srli_epi16(qh, 2 * c + 1), 4), bit4);
+        }
+        q[2 * c] = lo;
+        q[2 * c + 1] = hi;
+    }
+#undef OR_AND
+}
+
+/* the tile's rows, unrolled early so the per-row accumulators live in registers */
+#define EACH_ROW(i) _Pragma("GCC unroll 8") for (int i = 0; i < mt; i++)
+
+/* one 32-block of the weight row into acc[i], for each row i of the tile */
+ALWAYS void b32_f32_step(int type, const uint8_t *blk, const uint8_t *x, int64_t ldx, int64_t b,
+                         int mt, __m256 *acc) {
+    float d;
+    __m256 w0, w1, w2, w3;
+    if (type == T_Q8_0) { /* widen straight from memory */
+        d = half_f16c(blk);
+        w0 = i8x8_ps(_mm_loadl_epi64((const __m128i *)(blk + 2)));
+        w1 = i8x8_ps(_mm_loadl_epi64((const __m128i *)(blk + 10)));
+        w2 = i8x8_ps(_mm_loadl_epi64((const __m128i *)(blk + 18)));
+        w3 = i8x8_ps(_mm_loadl_epi64((const __m128i *)(blk + 26)));
+    } else {
+        __m256i q = b32_decode_avx2(type, blk, &d);
+        __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+        w0 = i8x8_ps(lo);
+        w1 = i8x8_ps(_mm_srli_si128(lo, 8));
+        w2 = i8x8_ps(hi);
+        w3 = i8x8_ps(_mm_srli_si128(hi, 8));
+    }
+    __m256 dv = _mm256_set1_ps(d);
+    EACH_ROW(i) {
+        const float *xr = (const float *)(x + i * ldx) + 32 * b;
+        __m256 g = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
+        g = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), g);
+        g = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), g);
+        g = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), g);
+        acc[i] = _mm256_fmadd_ps(g, dv, acc[i]);
+    }
+}
+
+ALWAYS void b32_q8_step(int type, const uint8_t *blk, const uint8_t *x, int64_t ldx, int64_t b,
+                        int mt, __m256 *acc) {
+    float dw;
+    __m256i q = b32_decode_avx2(type, blk, &dw);
+    __m256i aq = _mm256_sign_epi8(q, q); /* maddubs wants an unsigned side: |w| * (x signed as w) */
+    __m256 dwv = _mm256_set1_ps(dw);
+    EACH_ROW(i) {
+        const uint8_t *xb = x + i * ldx + b * X32_BYTES;
+        __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4)), q);
+        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), _mm256_set1_epi16(1));
+        __m256 d = _mm256_mul_ps(dwv, _mm256_broadcast_ss((const float *)xb));
+        acc[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[i]);
+    }
+}
+
+/* One weight row at a time: interleaving several rows' streams was measured 1.9x slower on the
+ * DRAM-bound LM head (the prefetcher follows one stream per thread best). */
+#define B32_BODY(name, step)                                                                  \
+    ALWAYS void name(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,   \
+                     int mt, float *out) {                                                    \
+        __m256 acc[MT];                                                                       \
+        EACH_ROW(i) acc[i] = _mm256_setzero_ps();                                             \
+        for (int64_t b = 0; b < nb; b++) step(type, w + b * block_bytes(type), x, ldx, b, mt, acc); \
+        EACH_ROW(i) out[i] = hsum8(acc[i]);                                                   \
+    }
+B32_BODY(b32_f32_avx2, b32_f32_step)
+B32_BODY(b32_q8_avx2, b32_q8_step)
+
+ALWAYS void k_f32_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,
+                       int mt, float *out) {
+    _Alignas(32) kblock k;
+    __m256 acc0[MT], acc1[MT]; /* lanes 0-7 and 8-15 of every 16 values: two FMA chains */
+    EACH_ROW(i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        k_decode_avx2(type, w + b * block_bytes(type), &k, 1);
+        for (int g = 0; g < 16; g++) { /* 16 values share a scale and a min */
+            __m256 s = _mm256_broadcast_ss(k.fs + g), m = _mm256_broadcast_ss(k.fm + g);
+            __m128i qv = _mm_load_si128((const __m128i *)(k.q + 16 * g));
+            __m256 w0 = _mm256_fmsub_ps(u8x8_ps(qv), s, m);
+            __m256 w1 = _mm256_fmsub_ps(u8x8_ps(_mm_srli_si128(qv, 8)), s, m);
+            EACH_ROW(i) {
+                const float *xr = (const float *)(x + i * ldx) + 256 * b + 16 * g;
+                acc0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc0[i]);
+                acc1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc1[i]);
+            }
+        }
+    }
+    EACH_ROW(i) out[i] = hsum8(_mm256_add_ps(acc0[i], acc1[i]));
+}
+
+ALWAYS void k_q8_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,
+                      int mt, float *out) {
+    _Alignas(32) kblock k;
+    __m256 acc[MT];
+    EACH_ROW(i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        k_decode_avx2(type, w + b * block_bytes(type), &k, 0);
+        __m256i isum[MT]; /* exact: |sum| < 2^31 for 6-bit codes, 8-bit scales and x */
+        EACH_ROW(i) isum[i] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) { /* 32 codes: int16 lanes 0-7 take scale 2c, 8-15 2c+1 */
+            __m256i q = _mm256_load_si256((const __m256i *)(k.q + 32 * c));
+            __m256i sc = type != T_Q6_K ? _mm256_set1_epi16(k.sc[2 * c])
+                                        : _mm256_set_m128i(_mm_set1_epi16(k.sc[2 * c + 1]),
+                                                           _mm_set1_epi16(k.sc[2 * c]));
+            EACH_ROW(i) {
+                const __m256i *xq = (const __m256i *)(x + i * ldx + b * XK_BYTES + 36);
+                __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256(xq + c));
+                isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p, sc));
+            }
+        }
+        __m256i mn = _mm256_load_si256((const __m256i *)k.mn);
+        EACH_ROW(i) {
+            const uint8_t *xb = x + i * ldx + b * XK_BYTES;
+            float dx;
+            memcpy(&dx, xb, 4);
+            __m256i smin = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + 4)));
+            __m256 sd = _mm256_set1_ps(k.d * dx), sm = _mm256_set1_ps(k.dmin * dx);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), sd, acc[i]);
+            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), sm, acc[i]);
+        }
+    }
+    EACH_ROW(i) out[i] = hsum8(acc[i]);
+}
+
+static void quant_x_avx2(const float *x, int64_t K, int group, uint8_t *dst) {
+    int stride = group == 32 ? X32_BYTES : XK_BYTES;
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' lane mix */
+    for (int64_t g = 0; g < K / group; g++, x += group, dst += stride) {
+        __m256 mx = _mm256_setzero_ps();
+        for (int i = 0; i < group; i += 8)
+            mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        __m256 idv = _mm256_set1_ps(id);
+        int8_t *q = (int8_t *)(dst + (group == 32 ? 4 : 36));
+        for (int i = 0; i < group; i += 32) {
+            __m256i v[4];
+            for (int j = 0; j < 4; j++)
+                v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), idv));
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
+                                           _mm256_packs_epi32(v[2], v[3]));
+            _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, order));
+        }
+        memcpy(dst, &d, 4);
+        for (int s = 0; group == 256 && s < 16; s++) { /* exact integer sums, as in the scalar */
+            __m128i q16 = _mm_loadu_si128((const __m128i *)(q + 16 * s));
+            __m256i v = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q16), _mm256_set1_epi16(1));
+            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+            int16_t sum = (int16_t)(_mm_cvtsi128_si32(t) + _mm_extract_epi32(t, 1));
+            memcpy(dst + 4 + 2 * s, &sum, 2);
+        }
+    }
+}
+#endif /* HAVE_AVX2 */
+
+/* ---- one function per (type, act, ISA); constant tile heights let the row loops unroll ---- */
+#define TILE(name, body, type)                                                                \
+    static void name(const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx, int mt,      \
+                     float *out) {                                                             \
+        switch (mt) {                                                                          \
+        case 8: body(type, w, nb, x, ldx, 8, out); break;                                      \
+        case 7: body(type, w, nb, x, ldx, 7, out); break;                                      \
+        case 6: body(type, w, nb, x, ldx, 6, out); break;                                      \
+        case 5: body(type, w, nb, x, ldx, 5, out); break;                                      \
+        case 4: body(type, w, nb, x, ldx, 4, out); break;                                      \
+        case 3: body(type, w, nb, x, ldx, 3, out); break;                                      \
+        case 2: body(type, w, nb, x, ldx, 2, out); break;                                      \
+        default: body(type, w, nb, x, ldx, 1, out); break;                                     \
+        }                                                                                      \
+    }
+#define SCALAR_TILE(name, row, type)                                                          \
+    static void name(const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx, int mt,      \
+                     float *out) {                                                             \
+        for (int i = 0; i < mt; i++) out[i] = row(type, w, nb, (const void *)(x + i * ldx));    \
+    }
+#define TYPES(act, isa, T, b32, kq)                                                             \
+    T(q8_0_##act##_##isa, b32, T_Q8_0) T(q4_0_##act##_##isa, b32, T_Q4_0)                       \
+    T(q5_0_##act##_##isa, b32, T_Q5_0) T(q4_k_##act##_##isa, kq, T_Q4_K)                        \
+    T(q5_k_##act##_##isa, kq, T_Q5_K) T(q6_k_##act##_##isa, kq, T_Q6_K)
+#define TABLE(act, isa)                                                                         \
+    [T_Q8_0] = q8_0_##act##_##isa, [T_Q4_0] = q4_0_##act##_##isa,                               \
+    [T_Q5_0] = q5_0_##act##_##isa, [T_Q4_K] = q4_k_##act##_##isa,                               \
+    [T_Q5_K] = q5_k_##act##_##isa, [T_Q6_K] = q6_k_##act##_##isa
+
+TYPES(f32, scalar, SCALAR_TILE, b32_f32_row, k_f32_row)
+TYPES(q8, scalar, SCALAR_TILE, b32_q8_row, k_q8_row)
+static const tile_fn SCALAR[2][T_Q6_K + 1] = {{TABLE(f32, scalar)}, {TABLE(q8, scalar)}};
+#ifdef HAVE_AVX2
+TYPES(f32, avx2, TILE, b32_f32_avx2, k_f32_avx2)
+TYPES(q8, avx2, TILE, b32_q8_avx2, k_q8_avx2)
+static const tile_fn AVX2[2][T_Q6_K + 1] = {{TABLE(f32, avx2)}, {TABLE(q8, avx2)}};
+#endif
+
+static tile_fn pick(int isa, int act, int type) {
+#ifdef HAVE_AVX2
+    if (isa == ISA_AVX2) return AVX2[act][type];
+#endif
+    return isa == ISA_SCALAR ? SCALAR[act][type] : NULL;
+}
+
+static void quant_x(int isa, const float *x, int64_t K, int group, uint8_t *dst) {
+    (void)isa;
+#ifdef HAVE_AVX2
+    if (isa == ISA_AVX2) { quant_x_avx2(x, K, group, dst); return; }
+#endif
+    quant_x_scalar(x, K, group, dst);
+}
+
+static inline void prefetch(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
+}
+
+/* segs: nseg (<= MAX_SEG) triples (weight pointer, ggml type, rows N_s) sharing K; segment s goes
+ * to y's columns from N_0 + ... + N_{s-1}. Integers are int64_t so that every argument travels as
+ * one 64-bit word (the ctypes side passes them all as c_void_p, its fastest conversion). Returns
+ * 0, or ERR_* having written nothing. */
+int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int64_t *segs,
+                    int64_t nseg, float *y, int64_t ldy, int64_t act, int64_t isa,
+                    int64_t nthreads) {
+    const uint8_t *ws[MAX_SEG] = {0};
+    int ts[MAX_SEG] = {0};
+    int64_t ns[MAX_SEG] = {0};
+    tile_fn fn[MAX_SEG] = {0};
+    int64_t nb[MAX_SEG] = {0}, rb[MAX_SEG] = {0}, col0[MAX_SEG], nch[MAX_SEG], total = 0, col = 0;
+    int need32 = 0, needk = 0;
+    if (nseg < 0 || nseg > MAX_SEG) return ERR_SHAPE;
+    for (int s = 0; s < nseg; s++) {
+        ws[s] = (const uint8_t *)(intptr_t)segs[3 * s];
+        ts[s] = (int)segs[3 * s + 1];
+        ns[s] = segs[3 * s + 2];
+    }
+    if (act != ACT_F32 && act != ACT_Q8) return ERR_SHAPE;
+    for (int s = 0; s < MAX_SEG; s++) {
+        col0[s] = col;
+        col += ns[s];
+        nch[s] = (ns[s] + CHUNK - 1) / CHUNK;
+        total += nch[s];
+        if (ns[s] == 0) continue;
+        int be = tidal_gguf_block_elems(ts[s]);
+        if (be == 0) return ERR_TYPE;
+        if (K <= 0 || K % be) return ERR_SHAPE;
+        if (!(fn[s] = pick((int)isa, (int)act, ts[s]))) return ERR_ISA;
+        nb[s] = K / be;
+        rb[s] = nb[s] * block_bytes(ts[s]);
+        need32 |= be == 32;
+        needk |= be == 256;
+    }
+    if (M <= 0 || total == 0) return 0;
+    /* quantized x: M rows of the 32-form, then M rows of the 256-form (those needed) */
+    int64_t r32 = need32 ? K / 32 * X32_BYTES : 0, rk = needk ? K / 256 * XK_BYTES : 0;
+    size_t need = act == ACT_Q8 ? (size_t)(M * (r32 + rk)) : 0;
+    _Alignas(64) uint8_t stack[65536]; /* on the caller's stack: M = 32 at K = 640 fits */
+    uint8_t *xq = need <= sizeof(stack) ? stack : malloc(need);
+    if (!xq) return ERR_NOMEM;
+#pragma omp parallel num_threads(nthreads > 0 ? (int)nthreads : 1)
+    {
+        if (act == ACT_Q8) {
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                if (need32) quant_x((int)isa, x + m * ldx, K, 32, xq + m * r32);
+                if (needk) quant_x((int)isa, x + m * ldx, K, 256, xq + M * r32 + m * rk);
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < total; c++) {
+            int s = 0;
+            int64_t cc = c;
+            while (cc >= nch[s]) cc -= nch[s++];
+            int64_t lo = cc * CHUNK, hi = lo + CHUNK < ns[s] ? lo + CHUNK : ns[s];
+            const uint8_t *xs = (const uint8_t *)x;
+            int64_t ldxs = ldx * (int64_t)sizeof(float);
+            if (act == ACT_Q8) {
+                int kq = tidal_gguf_block_elems(ts[s]) == 256;
+                xs = kq ? xq + M * r32 : xq;
+                ldxs = kq ? rk : r32;
+            }
+            float out[MT];
+            for (int64_t m = 0; m < M; m += MT) {
+                int mt = (int)(M - m < MT ? M - m : MT);
+                for (int64_t n = lo; n < hi; n++) {
+                    if (m == 0 && n + PREFETCH_ROWS < ns[s])
+                        prefetch(ws[s] + (n + PREFETCH_ROWS) * rb[s], rb[s]);
+                    fn[s](ws[s] + n * rb[s], nb[s], xs + m * ldxs, ldxs, mt, out);
+                    for (int i = 0; i < mt; i++) y[(m + i) * ldy + col0[s] + n] = out[i];
+                }
+            }
+        }
+    }
+    if (xq != stack) free(xq);
+    return 0;
+}
+
+/* ---- dequantization, bit-exact with gguf-py's numpy (float32, no fused multiply-add) ---- */
+
+static void dequant_row_scalar(int type, const uint8_t *w, int64_t nb, float *out) {
+    for (int64_t b = 0; b < nb; b++, w += block_bytes(type)) {
+        if (tidal_gguf_block_elems(type) == 32) {
+            int8_t q[32];
+            float d = b32_decode_scalar(type, w, q);
+            for (int j = 0; j < 32; j++) *out++ = d * (float)q[j];
+            continue;
+        }
+        kblock k;
+        k_decode_scalar(type, w, &k);
+        for (int i = 0; i < 256; i++) {
+            float s = k.d * (float)k.sc[i / 16], m = k.dmin * (float)k.mn[i / 16];
+            *out++ = type == T_Q6_K ? s * (float)(k.q[i] - 32) : s * (float)k.q[i] - m;
+        }
+    }
+}
+
+#ifdef HAVE_AVX2
+ALWAYS void dequant_row_avx2_t(int type, const uint8_t *w, int64_t nb, float *out) {
+    for (int64_t b = 0; b < nb; b++, w += block_bytes(type)) {
+        if (tidal_gguf_block_elems(type) == 32) {
+            float d;
+            __m256i q = b32_decode_avx2(type, w, &d);
+            __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+            __m256 dv = _mm256_set1_ps(d);
+            _mm256_storeu_ps(out, _mm256_mul_ps(dv, i8x8_ps(lo)));
+            _mm256_storeu_ps(out + 8, _mm256_mul_ps(dv, i8x8_ps(_mm_srli_si128(lo, 8))));
+            _mm256_storeu_ps(out + 16, _mm256_mul_ps(dv, i8x8_ps(hi)));
+            _mm256_storeu_ps(out + 24, _mm256_mul_ps(dv, i8x8_ps(_mm_srli_si128(hi, 8))));
+            out += 32;
+            continue;
+        }
+        _Alignas(32) kblock k;
+        k_decode_avx2(type, w, &k, 1);
+        for (int g = 0; g < 32; g++, out += 8) {
+            __m256 s = _mm256_broadcast_ss(k.fs + g / 2), m = _mm256_broadcast_ss(k.fm + g / 2);
+            __m256 q = u8x8_ps(_mm_loadl_epi64((const __m128i *)(k.q + 8 * g)));
+            _mm256_storeu_ps(out, type == T_Q6_K ? _mm256_mul_ps(s, _mm256_sub_ps(q, _mm256_set1_ps(32)))
+                                                  : _mm256_sub_ps(_mm256_mul_ps(s, q), m));
+        }
+    }
+}
+
+static void dequant_row_avx2(int type, const uint8_t *w, int64_t nb, float *out) {
+    switch (type) {
+    case T_Q8_0: dequant_row_avx2_t(T_Q8_0, w, nb, out); break;
+    case T_Q4_0: dequant_row_avx2_t(T_Q4_0, w, nb, out); break;
+    case T_Q5_0: dequant_row_avx2_t(T_Q5_0, w, nb, out); break;
+    case T_Q4_K: dequant_row_avx2_t(T_Q4_K, w, nb, out); break;
+    case T_Q5_K: dequant_row_avx2_t(T_Q5_K, w, nb, out); break;
+    default: dequant_row_avx2_t(T_Q6_K, w, nb, out); break;
+    }
+}
+#endif
+
+/* out row i (row stride ldo) = W's row ids[i], or row start + i when ids is NULL; i < count.
+ * Returns 0 or ERR_*. Row ids are not checked here: the caller bounds them. */
+int tidal_gguf_dequantize(const uint8_t *w, int64_t type, int64_t K, const int64_t *ids,
+                          int64_t start, int64_t count, float *out, int64_t ldo, int64_t isa,
+                          int64_t nthreads) {
+    int be = tidal_gguf_block_elems((int)type);
+    if (be == 0) return ERR_TYPE;
+    if (K <= 0 || K % be) return ERR_SHAPE;
+    if (isa != ISA_SCALAR && !(isa == ISA_AVX2 && tidal_gguf_has_avx2())) return ERR_ISA;
+    int64_t nb = K / be, rb = nb * block_bytes((int)type);
+    /* a few rows (an embedding lookup) are not worth waking the threads */
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? (int)nthreads : 1) \
+    if (count * K >= 65536)
+    for (int64_t i = 0; i < count; i++) {
+        const uint8_t *row = w + (ids ? ids[i] : start + i) * rb;
+#ifdef HAVE_AVX2
+        if (isa == ISA_AVX2) { dequant_row_avx2((int)type, row, nb, out + i * ldo); continue; }
+#endif
+        dequant_row_scalar((int)type, row, nb, out + i * ldo);
+    }
+    return 0;
+}

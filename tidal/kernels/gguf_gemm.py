@@ -1,0 +1,338 @@
+"""`gguf_gemm`, `dequantize_rows`, `dequantize_gather`: CPU matmuls and row decoding on GGUF blocks."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tidal.kernels.build import load
+
+# ggml type numbers as in tidal.loader.gguf_file.GGMLType (an IntEnum: its members work here;
+# kernels/ sits below loader/ in the layering, hence plain ints): name, elements, bytes per block.
+_BLOCKS: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    6: ("Q5_0", 32, 22),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+}
+SUPPORTED_TYPES: frozenset[int] = frozenset(_BLOCKS)
+MAX_SEGMENTS = 4
+ACTS = ("f32", "q8")
+_ACT_CODES = {"f32": 0, "q8": 1}
+_ISA_CODES = {"scalar": 0, "avx2": 1}
+_ERRORS = {-1: "unsupported ggml type", -2: "bad shape", -3: "ISA not built", -4: "no memory"}
+
+# NOTE: every argument crosses as c_void_p (the C side takes pointers and int64_t): ctypes
+# converts a Python int to c_void_p ~5x faster than to c_int64, and on x86-64 and aarch64 both
+# travel as one 64-bit word. Only non-negative integers are passed.
+_word = ctypes.c_void_p
+_MOVED = (
+    "a weight's blocks moved (e.g. share_memory_()) after its BlockWeight was built: rebuild it"
+)
+_profiling = torch.autograd._profiler_enabled
+_record = torch.profiler.record_function
+
+
+def _descriptor(args: Sequence[int]) -> tuple[ctypes.Array, int]:
+    """(pointer, ggml type, rows) per weight as int64, what the C side reads for its segments:
+    the array (keep it alive) and its address."""
+    desc = (ctypes.c_int64 * len(args))(*args)
+    return desc, ctypes.addressof(desc)
+
+
+def _describe(weights: Sequence[BlockWeight]) -> tuple[ctypes.Array, int, int, int, int]:
+    """An ad-hoc list of weights, checked, as (descriptor, its address, count, rows, cols): the
+    per-call path (~1 us more than a prepared BlockSegments)."""
+    if not 1 <= len(weights) <= MAX_SEGMENTS:
+        raise ValueError(f"segments: {len(weights)} given; 1 to {MAX_SEGMENTS} accepted")
+    args: list[int] = []
+    for w in weights:
+        if type(w) is not BlockWeight:
+            raise ValueError(f"segments must be BlockWeights; got {type(w).__name__}")
+        if w.blocks.data_ptr() != w._args[0]:
+            raise ValueError(_MOVED)
+        if w.cols != weights[0].cols:
+            raise ValueError(f"segments must share cols; got {[w.cols for w in weights]}")
+        args += w._args
+    desc, address = _descriptor(args)
+    return desc, address, len(weights), sum(args[2::3]), weights[0].cols
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockWeight:
+    """A weight matrix (rows, cols) kept in a GGUF block format: `blocks` is (rows, row_bytes)
+    uint8, contiguous, each row its blocks exactly as stored in the file. The data pointer is read
+    here, once, and checked on every call (a storage moved in place raises)."""
+
+    blocks: torch.Tensor
+    ggml_type: int
+    rows: int
+    cols: int
+    _args: tuple[int, int, int] = field(init=False, repr=False)
+    _desc: ctypes.Array = field(init=False, repr=False)
+    _desc_ptr: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        spec = _BLOCKS.get(int(self.ggml_type))
+        if spec is None:
+            raise ValueError(
+                f"ggml_type {self.ggml_type!r} is not supported; supported: "
+                f"{', '.join(f'{name} ({t})' for t, (name, _, _) in _BLOCKS.items())}"
+            )
+        name, elems, nbytes = spec
+        if self.cols <= 0 or self.cols % elems:
+            raise ValueError(f"cols {self.cols}: {name} needs a positive multiple of {elems}")
+        row_bytes = self.cols // elems * nbytes
+        b = self.blocks
+        if b.dtype != torch.uint8 or b.device.type != "cpu" or not b.is_contiguous():
+            raise ValueError(
+                f"blocks must be a contiguous CPU uint8 tensor; got {b.dtype} on {b.device}, "
+                f"contiguous={b.is_contiguous()}"
+            )
+        if tuple(b.shape) != (self.rows, row_bytes):
+            raise ValueError(
+                f"blocks shape {tuple(b.shape)} != (rows, row_bytes) = ({self.rows}, "
+                f"{row_bytes}) for {name} with cols {self.cols}"
+            )
+        args = (b.data_ptr(), int(self.ggml_type), self.rows)
+        desc, address = _descriptor(args)
+        object.__setattr__(self, "_args", args)
+        object.__setattr__(self, "_desc", desc)
+        object.__setattr__(self, "_desc_ptr", address)
+
+    @classmethod
+    def from_raw(cls, raw: torch.Tensor, ggml_type: int, rows: int, cols: int) -> BlockWeight:
+        """From a tensor's stored bytes in any uint8 layout (e.g. a GGUF reader's flat view)."""
+        return cls(raw.reshape(rows, -1), ggml_type, rows, cols)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.blocks.shape[1]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class BlockSegments(Sequence[BlockWeight]):
+    """1 to 4 block weights sharing cols, prepared once for fused calls (q/k/v, gate/up, whose
+    types may differ): their outputs go side by side, `rows` columns in all."""
+
+    weights: tuple[BlockWeight, ...]
+    rows: int = field(init=False)
+    cols: int = field(init=False)
+    nseg: int = field(init=False)
+    _desc: ctypes.Array = field(init=False, repr=False)
+    _desc_ptr: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        ws = tuple(self.weights)
+        desc, address, nseg, rows, cols = _describe(ws)
+        for name, value in (("weights", ws), ("rows", rows), ("cols", cols), ("nseg", nseg),
+                            ("_desc", desc), ("_desc_ptr", address)):  # fmt: skip
+            object.__setattr__(self, name, value)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def __getitem__(self, i: int) -> BlockWeight:  # type: ignore[override]
+        return self.weights[i]
+
+    def __iter__(self) -> Iterator[BlockWeight]:
+        return iter(self.weights)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = load("gguf_gemm")
+    if lib is None:
+        return None
+    lib.tidal_gguf_gemm.restype = ctypes.c_int
+    # x, M, K, ldx, segments, nseg, y, ldy, act, isa, threads
+    lib.tidal_gguf_gemm.argtypes = [_word] * 11
+    lib.tidal_gguf_dequantize.restype = ctypes.c_int
+    # blocks, ggml type, K, ids or NULL, start, count, out, ldo, isa, threads
+    lib.tidal_gguf_dequantize.argtypes = [_word] * 10
+    lib.tidal_gguf_has_avx2.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def isas() -> list[str]:
+    """The kernel paths this machine runs, best first, "scalar" last ([] without the library)."""
+    lib = _library()
+    if lib is None:
+        return []
+    found = []
+    if lib.tidal_gguf_has_avx2() and {"avx2", "fma", "f16c"} <= _cpu_flags():
+        found.append("avx2")
+    return [*found, "scalar"]
+
+
+@functools.cache
+def default_isa() -> str:
+    """The best path, lowered by env TIDAL_KERNEL_ISA (read once per process)."""
+    paths = isas() or ["scalar"]
+    wanted = os.environ.get("TIDAL_KERNEL_ISA", "").strip().lower()
+    if wanted and wanted not in _ISA_CODES:
+        raise ValueError(f"TIDAL_KERNEL_ISA={wanted!r}; accepted: {', '.join(_ISA_CODES)}")
+    return wanted if wanted in paths else paths[0]
+
+
+@functools.cache
+def _runnable() -> dict[str, int]:
+    return {name: _ISA_CODES[name] for name in isas()}
+
+
+def _isa_code(isa: str | None) -> int:
+    code = _runnable().get(default_isa() if isa is None else isa)
+    if code is None:
+        raise ValueError(f"isa {isa!r} cannot run here; this machine runs: {isas()}")
+    return code
+
+
+def _check(rc: int, what: str) -> None:
+    if rc == -4:
+        raise MemoryError(f"{what}: allocating the quantized activations failed")
+    if rc != 0:
+        raise RuntimeError(f"{what}: kernel returned {rc} ({_ERRORS.get(rc, 'unknown')})")
+
+
+def gguf_gemm(
+    x: torch.Tensor,
+    segments: BlockWeight | BlockSegments | Sequence[BlockWeight],
+    act: str = "f32",
+    isa: str | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> torch.Tensor | None:
+    """(M, K) float32 x against 1 to 4 block weights of K cols -> (M, sum of rows) float32:
+    x @ W_s.T side by side, segment s in the columns after those of segments 0..s-1.
+
+    act "f32" multiplies float32 x with the decoded weights; "q8" quantizes the rows of x to int8
+    first (faster with many rows; ~1e-3 relative difference). Row m of the result is bit-identical
+    whatever else is in the batch and whatever the thread count. `out`, if given, is written and
+    returned: CPU float32 (M, sum of rows) with unit inner stride (e.g. a column slice of a wider
+    buffer). A BlockWeight or a BlockSegments prepared once is the cheapest to pass; a list is
+    checked on every call. None where the kernel cannot take x (no library, not a CPU float32
+    matrix with unit inner stride): the caller runs its fallback."""
+    lib = _library()
+    if lib is None or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2:
+        return None
+    m, k = x.shape
+    ldx, inner = x.stride()
+    if inner != 1 and k != 1:
+        return None
+    kind = type(segments)
+    if kind is not BlockWeight and kind is not BlockSegments and len(segments) == 1:
+        segments = segments[0]  # a list of one: its weight's own descriptor
+        kind = type(segments)
+    if kind is BlockWeight:
+        if segments.blocks.data_ptr() != segments._args[0]:
+            raise ValueError(_MOVED)
+        desc, nseg, n, cols = segments._desc_ptr, 1, segments.rows, segments.cols
+    elif kind is BlockSegments:
+        for w in segments.weights:
+            if w.blocks.data_ptr() != w._args[0]:
+                raise ValueError(_MOVED)
+        desc, nseg, n, cols = segments._desc_ptr, segments.nseg, segments.rows, segments.cols
+    else:
+        # the array stays referenced (alive) until the call returns
+        desc_array, desc, nseg, n, cols = _describe(segments)
+    if cols != k:
+        raise ValueError(f"x has K={k} columns but the weights have cols={cols}")
+    code = _ACT_CODES.get(act)
+    if code is None:
+        raise ValueError(f"act {act!r}; accepted: {', '.join(ACTS)}")
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.float32)
+    elif (
+        out.dtype is not torch.float32
+        or not out.is_cpu
+        or tuple(out.shape) != (m, n)
+        or (out.stride(1) != 1 and n > 1)
+    ):
+        raise ValueError(
+            f"out must be CPU float32 ({m}, {n}) with unit inner stride; got {out.dtype} "
+            f"{tuple(out.shape)} strides {out.stride()} on {out.device}"
+        )
+    call = (
+        x.data_ptr(), m, k, ldx if m > 1 else k, desc, nseg, out.data_ptr(),
+        out.stride(0) if m > 1 else n, code, _isa_code(isa), threads or torch.get_num_threads(),
+    )  # fmt: skip
+    if _profiling():
+        with _record("tidal::gguf_gemm"):
+            rc = lib.tidal_gguf_gemm(*call)
+    else:
+        rc = lib.tidal_gguf_gemm(*call)
+    if rc:
+        _check(rc, "gguf_gemm")
+    return out
+
+
+def _dequantize(
+    weight: BlockWeight, ids: torch.Tensor | None, start: int, count: int, isa: str | None
+) -> torch.Tensor | None:
+    lib = _library()
+    if lib is None:
+        return None
+    out = torch.empty((count, weight.cols), dtype=torch.float32)
+    if count == 0:
+        return out
+    call = (
+        weight.blocks.data_ptr(), int(weight.ggml_type), weight.cols,
+        None if ids is None else ids.data_ptr(), start, count, out.data_ptr(), weight.cols,
+        _isa_code(isa), torch.get_num_threads(),
+    )  # fmt: skip
+    if _profiling():
+        with _record("tidal::gguf_dequantize"):
+            rc = lib.tidal_gguf_dequantize(*call)
+    else:
+        rc = lib.tidal_gguf_dequantize(*call)
+    _check(rc, "gguf_dequantize")
+    return out
+
+
+def dequantize_rows(
+    weight: BlockWeight, start: int, stop: int, isa: str | None = None
+) -> torch.Tensor | None:
+    """Rows [start, stop) of the weight as (stop - start, cols) float32, bit-exact with gguf-py's
+    dequantize; None without the library (the caller decodes in torch)."""
+    if not 0 <= start <= stop <= weight.rows:
+        raise ValueError(f"rows [{start}, {stop}) outside 0..{weight.rows}")
+    return _dequantize(weight, None, start, stop - start, isa)
+
+
+def dequantize_gather(
+    weight: BlockWeight, ids: torch.Tensor, isa: str | None = None
+) -> torch.Tensor | None:
+    """Rows `ids` (1-D int64 CPU) as (len(ids), cols) float32, bit-exact: an embedding lookup on
+    the packed table; None without the library."""
+    if ids.dtype != torch.int64 or ids.dim() != 1 or ids.device.type != "cpu":
+        raise ValueError(f"ids must be a 1-D CPU int64 tensor; got {ids.dtype} {tuple(ids.shape)}")
+    if ids.numel():
+        lo, hi = (int(v) for v in torch.aminmax(ids))
+        if lo < 0 or hi >= weight.rows:
+            raise ValueError(f"ids span {lo}..{hi}; rows are 0..{weight.rows - 1}")
+    ids = ids.contiguous()
+    return _dequantize(weight, ids, 0, ids.numel(), isa)
