@@ -1,4 +1,4 @@
-"""`tidal bench run|compare`: the online benchmark's command line."""
+"""`tidal bench run|compare|kernels`: the benchmarks' command line."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tidal.bench.trace import WORKLOADS, TraceRequest, WorkloadSpec, build_trace
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `bench` (with `run` and `compare`) on the `tidal` command's subparsers."""
+    """Register `bench` (with `run`, `compare` and `kernels`) on the `tidal` command's subparsers."""
     parser = subparsers.add_parser(
         "bench", help="benchmark an OpenAI-compatible server, or compare tidal with baselines"
     )
@@ -45,6 +45,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     add_output_arguments(cmp_p, default_prefix="compare")
     # Small on purpose: six targets (one loads for minutes) in under 15 minutes on 2 CPU cores.
     cmp_p.set_defaults(func=compare.run, input_len="64", output_len="16", system_len=256, turns=2)
+
+    from tidal.bench import kernels
+
+    k_p = sub.add_parser(
+        "kernels",
+        help="tidal's engine against llama-bench and llama-batched-bench (pp512, tg128, 32 x tg128)",
+    )
+    kernels.add_arguments(k_p)
+    k_p.set_defaults(func=kernels.run)
     return parser
 
 

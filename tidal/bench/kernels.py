@@ -1,0 +1,399 @@
+"""Kernels: tidal's engine against llama-bench and llama-batched-bench on one GGUF and thread count.
+
+    tidal bench kernels --threads 2 --repetitions 3 --json k.json --markdown k.md --profile
+
+Three measures, each side by side with llama.cpp's figure for it, in tokens/s:
+
+- pp512: one prompt of 512 tokens (BOS + seeded random ids, as llama-bench draws them), timed to
+  its first token (tidal: max_tokens=1, arrival -> first token; llama-bench: `-p 512`).
+- tg128: one sequence decoding 128 tokens after its prefill (tidal: 129 greedy tokens with
+  ignore_eos, timed first token -> last token; llama-bench: `-n 128`).
+- b32-tg128: 32 sequences decoding 128 tokens each together after a short prompt (tidal: total
+  decode tokens / (last token of any - first token of any); llama-batched-bench: S_TG).
+
+tidal runs through the public API only (`tidal.LLM`), with its defaults unless `--tidal-arg k=v`.
+Each prompt is new (seed + repetition), so the prefix cache never turns a prefill into a hit.
+`--profile` splits single-stream decode steps into tidal's native kernels (`tidal::*` regions),
+torch's aten ops (self time) and the rest (Python, scheduler, sampling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from tidal.bench.llama_bench import Measure, llama_bin_dir, run_llama
+
+# The CPU features that decide which matmul paths exist (tidal's kernels and ggml-cpu alike).
+RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni",
+                  "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class KernelsConfig:
+    """What one invocation measures; the CLI's defaults read from here."""
+
+    threads: int = 2
+    repetitions: int = 3
+    prompt_tokens: int = 512  # pp
+    decode_tokens: int = 128  # tg, per sequence
+    batch_seqs: int = 32
+    batch_prompt_tokens: int = 16  # 32 x 16 fit one prefill step of tidal's default token budget
+    tg_prompt_tokens: int = 4
+    profile_steps: int = 32
+    seed: int = 0
+    llama_timeout_s: float = 1800.0
+
+    def names(self) -> tuple[str, str, str]:
+        """The three measures' names, llama-bench's style: pp512, tg128, b32-tg128."""
+        n = self.decode_tokens
+        return f"pp{self.prompt_tokens}", f"tg{n}", f"b{self.batch_seqs}-tg{n}"
+
+
+class Row(NamedTuple):
+    """One measure, both systems; None where a system did not run."""
+
+    name: str
+    tidal: Measure | None
+    llama: Measure | None
+
+    @property
+    def ratio(self) -> float | None:
+        """tidal / llama.cpp of the medians: below 1 means tidal is slower."""
+        if self.tidal is None or self.llama is None or self.llama.median <= 0:
+            return None
+        return self.tidal.median / self.llama.median
+
+    def line(self) -> str:
+        def one(m: Measure | None) -> str:
+            if m is None:
+                return "-"
+            lo, hi = m.spread
+            return f"{m.median:8.1f} tok/s [{lo:.1f}-{hi:.1f}]"
+
+        ratio = "-" if self.ratio is None else f"{self.ratio:.2f}"
+        return (
+            f"{self.name:<9} tidal {one(self.tidal)} | llama.cpp {one(self.llama)} | ratio {ratio}"
+        )
+
+    def record(self) -> dict[str, Any]:
+        tidal, llama = (m.record() if m is not None else None for m in (self.tidal, self.llama))
+        return {"name": self.name, "tidal": tidal, "llama_cpp": llama, "ratio": self.ratio}
+
+
+@dataclass(frozen=True, slots=True)
+class StepProfile:
+    """Single-stream decode, per step: wall time split into native kernels, aten ops and the rest."""
+
+    steps: int
+    num_layers: int
+    wall_s: float
+    native_s: float  # tidal::* regions, whole (what runs inside them counts here)
+    aten_s: float  # self time of aten::* ops outside tidal::* regions
+    native_by_name: tuple[tuple[str, float], ...] = ()  # native_s per region name, largest first
+
+    @property
+    def other_s(self) -> float:
+        return self.wall_s - self.native_s - self.aten_s
+
+
+# --------------------------------------------------------------------------------------------
+# tidal: the public API only
+
+
+def parse_tidal_args(pairs: Iterable[str]) -> dict[str, Any]:
+    """["quantization=int8", "max_num_seqs=8", "enable_prefix_caching=false"] -> LLM kwargs."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise ValueError(
+                f"--tidal-arg {pair!r} is invalid: expected KEY=VALUE, e.g. dtype=bfloat16"
+            )
+        out[key.strip()] = _value(text.strip())
+    if "threads" in out:
+        raise ValueError("--tidal-arg threads=... is invalid: use --threads (both systems get it)")
+    return out
+
+
+def _value(text: str) -> Any:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _greedy(max_tokens: int):
+    from tidal import SamplingParams
+
+    # ignore_eos: every request generates exactly max_tokens, as llama.cpp's benches do.
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+class _Prompts:
+    """Seeded random prompts (BOS + ids from the vocabulary); a new seed for every call."""
+
+    def __init__(self, seed: int, vocab_size: int, bos_token_id: int | None) -> None:
+        self._seed, self._vocab, self._bos = seed, vocab_size, bos_token_id
+
+    def take(self, num: int, length: int) -> list[list[int]]:
+        from tidal.bench.workload import make_workload
+
+        self._seed += 1
+        work = make_workload(num, self._seed, self._vocab, min_prompt_len=length,
+                             max_prompt_len=length, bos_token_id=self._bos)  # fmt: skip
+        return [w.prompt_token_ids for w in work]
+
+
+def prefill_rate(llm, prompts: _Prompts, length: int) -> float:
+    out = llm.generate(prompt_token_ids=prompts.take(1, length), sampling_params=_greedy(1))[0]
+    return length / (out.metrics.first_token_time_s - out.metrics.arrival_time_s)
+
+
+def decode_rate(llm, prompts: _Prompts, num_seqs: int, prompt_len: int, tokens: int) -> float:
+    """Decode tokens/s of num_seqs sequences generating `tokens` each after their first token
+    (that one comes from the prefill). The window opens at the first sequence's first token, so
+    a prefill that spreads over several steps counts against tidal, never for it."""
+    outs = llm.generate(prompt_token_ids=prompts.take(num_seqs, prompt_len),
+                        sampling_params=_greedy(tokens + 1))  # fmt: skip
+    for o in outs:
+        if len(o.outputs[0].token_ids) != tokens + 1:
+            raise RuntimeError(f"expected {tokens + 1} tokens, got {len(o.outputs[0].token_ids)}")
+    first = min(o.metrics.first_token_time_s for o in outs)
+    last = max(o.metrics.last_token_time_s or o.metrics.finished_time_s for o in outs)
+    return num_seqs * tokens / (last - first)
+
+
+def run_tidal(
+    cfg: KernelsConfig, model: Path, tidal_args: dict[str, Any], profile: bool
+) -> tuple[dict[str, Measure], dict[str, Any], StepProfile | None]:
+    import torch
+
+    from tidal import LLM
+    from tidal.loader.model_loader import read_arch
+
+    arch, _ = read_arch(model)
+    llm = LLM(str(model), threads=cfg.threads, **tidal_args)
+    prompts = _Prompts(cfg.seed, arch.vocab_size, arch.bos_token_id)
+    settings = {"args": tidal_args, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                "num_layers": arch.num_layers, "config": asdict(llm.config)}  # fmt: skip
+    n, p = cfg.decode_tokens, cfg.prompt_tokens
+    pp_name, tg_name, batched_name = cfg.names()
+    # Warm-up, excluded: one of each shape.
+    prefill_rate(llm, prompts, p)
+    decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, 4)
+    reps = range(cfg.repetitions)
+    pp = Measure(tuple(prefill_rate(llm, prompts, p) for _ in reps))
+    print(f"tidal {pp_name}: {pp.median:.1f} tok/s", file=sys.stderr, flush=True)
+    tg = Measure(tuple(decode_rate(llm, prompts, 1, cfg.tg_prompt_tokens, n) for _ in reps))
+    print(f"tidal {tg_name}: {tg.median:.1f} tok/s", file=sys.stderr, flush=True)
+    batched = Measure(tuple(
+        decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, n) for _ in reps
+    ))  # fmt: skip
+    print(f"tidal {batched_name}: {batched.median:.1f} tok/s", file=sys.stderr, flush=True)
+    steps = profile_decode(llm, prompts, cfg, arch.num_layers) if profile else None
+    return {pp_name: pp, tg_name: tg, batched_name: batched}, settings, steps
+
+
+# --------------------------------------------------------------------------------------------
+# The per-step profile
+
+
+def split_events(events: Iterable[Any]) -> tuple[dict[str, float], float]:
+    """({region: native_us}, aten_us) of torch.profiler FunctionEvents: the whole time of each
+    outermost `tidal::*` region by name, and the self time of each `aten::*` op not inside one."""
+    native_us: dict[str, float] = {}
+    aten_us = 0.0
+    for e in events:
+        parent, inside = e.cpu_parent, False
+        while parent is not None and not inside:
+            inside, parent = parent.name.startswith("tidal::"), parent.cpu_parent
+        if inside:
+            continue
+        if e.name.startswith("tidal::"):
+            native_us[e.name] = native_us.get(e.name, 0.0) + e.cpu_time_total
+        elif e.name.startswith("aten::"):
+            aten_us += e.self_cpu_time_total
+    return native_us, aten_us
+
+
+def _profiled(llm, prompt: list[int], max_tokens: int) -> tuple[float, dict[str, float], float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(max_tokens))
+        wall_s = time.perf_counter() - start
+    native_us, aten_us = split_events(prof.events())
+    return wall_s, {k: v / 1e6 for k, v in native_us.items()}, aten_us / 1e6
+
+
+def profile_decode(llm, prompts: _Prompts, cfg: KernelsConfig, num_layers: int) -> StepProfile:
+    """The generate() of 1 + steps tokens minus the generate() of 1 token (a prefill of the same
+    length), per decode step. The profiler's own cost per op lands in 'other'."""
+    steps = cfg.profile_steps
+    wall_1, native_1, aten_1 = _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], 1)
+    wall_n, native_n, aten_n = _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], 1 + steps)
+    by_name = {k: (native_n.get(k, 0.0) - native_1.get(k, 0.0)) / steps for k in native_n}
+    ranked = tuple(sorted(by_name.items(), key=lambda kv: -kv[1]))
+    return StepProfile(steps, num_layers, (wall_n - wall_1) / steps, sum(by_name.values()),
+                       (aten_n - aten_1) / steps, ranked)  # fmt: skip
+
+
+def profile_markdown(p: StepProfile) -> str:
+    lines = [
+        f"Single-stream decode, {p.steps} steps under torch.profiler, {p.num_layers} layers:", "",
+        "| part | ms per step | ms per layer | share |", "|---|---|---|---|",
+    ]  # fmt: skip
+    parts = (("tidal native kernels (`tidal::*`)", p.native_s),
+             *((f"- `{name}`", s) for name, s in p.native_by_name),
+             ("torch aten ops (self time)", p.aten_s),
+             ("other (Python, scheduler, sampling, profiler)", p.other_s),
+             ("wall", p.wall_s))  # fmt: skip
+    for name, s in parts:
+        share = 100 * s / p.wall_s if p.wall_s > 0 else 0.0
+        lines.append(f"| {name} | {1e3 * s:.2f} | {1e3 * s / p.num_layers:.3f} | {share:.0f}% |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------------------------
+# Report and command
+
+
+def cpu_flags(text: str | None = None) -> dict[str, bool]:
+    """Which RELEVANT_FLAGS the CPU has (from /proc/cpuinfo's first `flags` line)."""
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            text = ""
+    m = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    have = set(m.group(1).split()) if m else set()
+    return {f: f in have for f in RELEVANT_FLAGS}
+
+
+def markdown_report(record: dict[str, Any], rows: Sequence[Row], steps: StepProfile | None) -> str:
+    flags = record["cpu_flags"]
+    build = record["llama_cpp"].get("build", {})
+    llama = (f"build {build.get('build_number', '?')} (commit {build.get('build_commit', '?')}), "
+             f"{build.get('backends', '?')}" if build else "not run")  # fmt: skip
+    tidal = record["tidal"]
+    conf = tidal.get("config", {})
+    picked = (("dtype", conf.get("hardware", {}).get("dtype")),
+              ("quantization", conf.get("model", {}).get("quantization")),
+              ("max_num_seqs", conf.get("scheduler", {}).get("max_num_seqs")),
+              ("max_num_batched_tokens", conf.get("scheduler", {}).get("max_num_batched_tokens")))  # fmt: skip
+    model = f" ({build['model_type']})" if "model_type" in build else ""
+    lines = [
+        f"- CPU: {record['machine']['cpu_model']} ({record['machine']['cpu_count']} logical); "
+        f"has {' '.join(f for f, v in flags.items() if v) or '-'}; "
+        f"lacks {' '.join(f for f, v in flags.items() if not v) or '-'}",
+        f"- threads: {record['threads']}; GGUF: `{record['gguf']}`{model}",
+        f"- tidal: LLM({', '.join(f'{k}={v!r}' for k, v in tidal['args'].items()) or 'defaults'})"
+        f": {', '.join(f'{k} {v}' for k, v in picked if v is not None)}; "
+        f"torch {tidal.get('torch', '?')}",
+        f"- llama.cpp: {llama}",
+        f"- {record['repetitions']} repetitions: median [min-max]; ratio = tidal / llama.cpp",
+        "",
+        "| measure | tidal tok/s | llama.cpp tok/s | tidal / llama.cpp |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = []
+        for m in (r.tidal, r.llama):
+            lo, hi = m.spread if m is not None else (0.0, 0.0)
+            cells.append("-" if m is None else f"{m.median:.1f} [{lo:.1f}-{hi:.1f}]")
+        ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
+        lines.append(f"| {r.name} | {cells[0]} | {cells[1]} | {ratio} |")
+    lines += [f"- {n}" for n in record["llama_cpp"].get("notes", [])]
+    text = "\n".join(lines) + "\n"
+    if steps is None:
+        return text
+    tg = rows[1].tidal if len(rows) > 1 else None
+    unprofiled = f"; without the profiler, tg: {1e3 / tg.median:.2f} ms per step" if tg else ""
+    return text + "\n" + profile_markdown(steps).replace(" layers:", f" layers{unprofiled}:", 1)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = KernelsConfig()
+    p.add_argument("--model", default=None, help="GGUF file (default: the bundled Gemma 3 270M)")
+    p.add_argument("--threads", type=int, default=d.threads, help="CPU threads for both systems")
+    p.add_argument("--repetitions", type=int, default=d.repetitions)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--llama-bin-dir", default=None,
+                   help="where llama-bench and llama-batched-bench are (default: tidal's cache)")  # fmt: skip
+    p.add_argument("--tidal-arg", action="append", default=None, metavar="KEY=VALUE",
+                   help="passed to tidal.LLM(...), e.g. quantization=int8 or dtype=bfloat16")  # fmt: skip
+    p.add_argument("--no-llama", dest="llama", action="store_false", help="tidal's side only")
+    p.add_argument("--profile", action="store_true",
+                   help="split single-stream decode steps into native kernels, aten and the rest")  # fmt: skip
+    p.add_argument("--profile-steps", type=int, default=d.profile_steps)
+    p.add_argument("--json", default=None, help="write the record here")
+    p.add_argument("--markdown", default=None, help="write the tables here")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`tidal bench kernels`: llama.cpp's two benches, then tidal's, on one GGUF; one report."""
+    from tidal.bench.report import machine_info, write_markdown
+
+    for name in ("threads", "repetitions", "profile_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name}={getattr(args, name)} is invalid: expected an integer >= 1")
+    cfg = KernelsConfig(threads=args.threads, repetitions=args.repetitions, seed=args.seed,
+                        profile_steps=args.profile_steps)  # fmt: skip
+    tidal_args = parse_tidal_args(args.tidal_arg or ())
+    if args.model:
+        gguf = Path(args.model)
+    else:
+        from tidal.loader.bundled import bundled_model_path
+
+        gguf = bundled_model_path()
+    started = time.perf_counter()
+    llama: dict[str, Measure] = {}
+    llama_info: dict[str, Any] = {"notes": ["not run (--no-llama)"]}
+    if args.llama:
+        llama, llama_info = run_llama(cfg, gguf, llama_bin_dir(args.llama_bin_dir))
+    tidal, settings, steps = run_tidal(cfg, gguf, tidal_args, args.profile)
+    rows = [Row(name, tidal.get(name), llama.get(name)) for name in cfg.names()]
+    record: dict[str, Any] = {
+        "machine": machine_info(),
+        "cpu_flags": cpu_flags(),
+        "threads": cfg.threads,
+        "gguf": str(gguf),
+        "repetitions": cfg.repetitions,
+        "workload": asdict(cfg),
+        "tidal": settings,
+        "llama_cpp": llama_info,
+        "measures": [r.record() for r in rows],
+        "profile": steps
+        and {
+            **asdict(steps),
+            "other_s": steps.other_s,
+            "native_by_name": dict(steps.native_by_name),
+        },  # fmt: skip
+        "seconds": time.perf_counter() - started,
+    }
+    for r in rows:
+        print(r.line())
+    table = markdown_report(record, rows, steps)
+    print(table)
+    if args.json:
+        text = json.dumps(record, indent=1, allow_nan=False, default=str)  # default: Paths
+        Path(args.json).write_text(text + "\n")
+    if args.markdown:
+        write_markdown(args.markdown, table)
+    return 0

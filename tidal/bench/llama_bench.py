@@ -1,0 +1,168 @@
+"""llama.cpp's llama-bench and llama-batched-bench: finding, running and parsing them for
+`tidal bench kernels`, and `Measure`, one system's figure over repetitions."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tidal.bench.kernels import KernelsConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Measure:
+    """One system's figure over its repetitions, in tokens/s."""
+
+    samples_tok_s: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples_tok_s)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return min(self.samples_tok_s), max(self.samples_tok_s)
+
+    @property
+    def stddev(self) -> float | None:
+        return statistics.stdev(self.samples_tok_s) if len(self.samples_tok_s) > 1 else None
+
+    def record(self) -> dict[str, Any]:
+        lo, hi = self.spread
+        return {"median_tok_s": self.median, "min_tok_s": lo, "max_tok_s": hi,
+                "stddev_tok_s": self.stddev, "samples_tok_s": list(self.samples_tok_s)}  # fmt: skip
+
+
+def llama_bin_dir(explicit: str | None) -> Path:
+    """--llama-bin-dir, else where scripts/build_llama_server.sh installs (tidal's cache)."""
+    if explicit:
+        return Path(explicit)
+    from tidal.bench.compare import llama_server_path
+
+    return llama_server_path().parent
+
+
+def find_binary(bin_dir: Path, name: str) -> str | None:
+    path = bin_dir / name
+    return str(path) if path.exists() else shutil.which(name)
+
+
+def parse_llama_bench(text: str) -> tuple[dict[str, Measure], dict[str, Any]]:
+    """`llama-bench -o json` -> ({"pp512": ..., "tg128": ...}, build/model facts)."""
+    tests: list[dict[str, Any]] | None = None
+    for m in re.finditer(r"\[", text):  # the first '[' that opens a list of test objects
+        try:
+            found, _ = json.JSONDecoder().raw_decode(text, m.start())
+        except json.JSONDecodeError:
+            continue
+        if isinstance(found, list) and found and all(isinstance(t, dict) for t in found):
+            tests = found
+            break
+    if tests is None:
+        raise ValueError("llama-bench output holds no JSON array of tests: expected `-o json`")
+    measures: dict[str, Measure] = {}
+    for t in tests:
+        n_prompt, n_gen = int(t.get("n_prompt", 0)), int(t.get("n_gen", 0))
+        name = f"pp{n_prompt}" if n_gen == 0 else f"tg{n_gen}" if n_prompt == 0 else None
+        if name is None:  # a -pg test (prompt then generation): not one of ours
+            continue
+        samples = t.get("samples_ts") or [t["avg_ts"]]
+        measures[name] = Measure(tuple(float(s) for s in samples))
+    first = tests[0] if tests else {}
+    keys = ("build_commit", "build_number", "cpu_info", "backends", "model_type", "model_size",
+            "model_n_params", "n_batch", "n_ubatch", "n_threads", "type_k", "type_v",
+            "flash_attn")  # fmt: skip
+    return measures, {k: first[k] for k in keys if k in first}
+
+
+_TABLE_ROW = re.compile(r"^\|\s*\d+\s*\|(\s*[\d.]+\s*\|){9}\s*$")
+_COLUMNS = ("pp", "tg", "pl", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg", "t", "speed")
+
+
+def parse_batched_bench(text: str) -> list[dict[str, float]]:
+    """llama-batched-bench's rows (its jsonl lines, or its Markdown table) as dicts with pp, tg,
+    pl, t_tg, speed_tg (S_TG t/s), ..."""
+    rows: list[dict[str, float]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            rows.append({k: float(v) for k, v in json.loads(line).items()})
+        elif _TABLE_ROW.match(line):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows.append({k: float(v) for k, v in zip(_COLUMNS, cells)})
+    return rows
+
+
+def llama_commands(
+    cfg: KernelsConfig, bench: str, batched: str, gguf: Path
+) -> tuple[list[str], list[str]]:
+    pl, npp, ntg = cfg.batch_seqs, cfg.batch_prompt_tokens, cfg.decode_tokens
+    bench_cmd = [bench, "-m", str(gguf), "-t", str(cfg.threads), "-p", str(cfg.prompt_tokens),
+                 "-n", str(ntg), "-r", str(cfg.repetitions), "-o", "json"]  # fmt: skip
+    # NOTE: llama-batched-bench silently skips a case whose pl * (pp + tg) exceeds -c.
+    batched_cmd = [batched, "-m", str(gguf), "-t", str(cfg.threads), "-c", str(pl * (npp + ntg)),
+                   "-b", "2048", "-ub", "512", "-npp", str(npp), "-ntg", str(ntg),
+                   "-npl", str(pl), "--output-format", "jsonl"]  # fmt: skip
+    return bench_cmd, batched_cmd
+
+
+def run_llama(
+    cfg: KernelsConfig, gguf: Path, bin_dir: Path
+) -> tuple[dict[str, Measure], dict[str, Any]]:
+    """llama.cpp's measures and facts; a missing binary or a failed run leaves a note instead."""
+    bench = find_binary(bin_dir, "llama-bench")
+    batched = find_binary(bin_dir, "llama-batched-bench")
+    info: dict[str, Any] = {"bin_dir": str(bin_dir), "notes": []}
+    if bench is None or batched is None:
+        info["notes"].append(
+            f"llama-bench/llama-batched-bench not found in {bin_dir}: build them with "
+            "`nice -n 19 bash scripts/build_llama_server.sh llama-bench llama-batched-bench` "
+            "(or pass --llama-bin-dir)"
+        )
+        print(f"llama.cpp: {info['notes'][-1]}", file=sys.stderr)
+        return {}, info
+    bench_cmd, batched_cmd = llama_commands(cfg, bench, batched, gguf)
+    info["commands"] = [" ".join(bench_cmd), " ".join(batched_cmd)]
+    measures: dict[str, Measure] = {}
+    out = _run_tool(bench_cmd, cfg.llama_timeout_s, info)
+    if out is not None:
+        found, build = parse_llama_bench(out[0])  # the JSON is on stdout, the load log on stderr
+        info["build"] = build
+        measures.update({k: v for k, v in found.items() if k in cfg.names()})
+    # llama-batched-bench runs each case once (after its own 16-token warm-up): run it N times.
+    speeds = []
+    for _ in range(cfg.repetitions):
+        out = _run_tool(batched_cmd, cfg.llama_timeout_s, info)
+        # Its table goes through llama.cpp's log (stdout or stderr, by version): read both.
+        rows = parse_batched_bench("\n".join(out)) if out is not None else []
+        if not rows:
+            if out is not None:
+                info["notes"].append("llama-batched-bench printed no result row")
+            break
+        speeds.append(rows[0]["speed_tg"])
+    if speeds:
+        measures[cfg.names()[2]] = Measure(tuple(speeds))
+    return measures, info
+
+
+def _run_tool(cmd: list[str], timeout_s: float, info: dict[str, Any]) -> tuple[str, str] | None:
+    """(stdout, stderr) of a successful run; None after adding a note on why it failed."""
+    print(f"llama.cpp: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        info["notes"].append(f"{Path(cmd[0]).name} failed: {e}")
+        return None
+    if proc.returncode != 0:
+        tail = " ".join(proc.stderr.strip().splitlines()[-3:])
+        info["notes"].append(f"{Path(cmd[0]).name} exited with {proc.returncode}: {tail}")
+        return None
+    return proc.stdout, proc.stderr
