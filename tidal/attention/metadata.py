@@ -32,6 +32,9 @@ class AttentionMetadata:
     groups: list[GroupTables]  # per KV group (see tidal.kv.layout.KVLayout)
     block_size: int
     all_decode: bool  # every sequence has exactly one new token
+    # (3, num_seqs) int32 on the step's device, rows query_start, query_lens, context_lens: the
+    # lists above as the native kernel reads them, built once per step rather than per layer.
+    seq_arrays: torch.Tensor
 
     @property
     def num_seqs(self) -> int:
@@ -72,4 +75,7 @@ def build_metadata(
         groups=groups,
         block_size=block_size,
         all_decode=all(n == 1 for n in query_lens),
+        seq_arrays=torch.tensor(
+            [query_start, list(query_lens), list(context_lens)], dtype=torch.int32, device=device
+        ),
     )

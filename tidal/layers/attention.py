@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tidal.attention.cpu_paged import CpuPagedAttention
 from tidal.attention.metadata import AttentionMetadata
-from tidal.attention.torch_paged import TorchPagedAttention
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import apply_rotary
 from tidal.models.arch import ArchConfig
@@ -40,7 +40,7 @@ class SelfAttention(nn.Module):
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
         self.layer_type = arch.layer_types[layer_id]
-        self.backend = TorchPagedAttention()
+        self.backend = CpuPagedAttention()  # the C kernel on CPU, the torch reference else
 
     def forward(
         self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata, kv_cache: KVCache

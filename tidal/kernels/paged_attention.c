@@ -1,0 +1,889 @@
+/* Paged attention for CPU steps, decode and mixed prefill+decode alike: one call per layer writes
+ * the step's new K/V into the pages, then attends every query to its keys read in place through
+ * its sequence's block table.
+ *
+ *   q, out        (T, H, D) float32             k, v  (T, KVH, D) float32
+ *                 (q, k, v: each token's H x D or KVH x D block contiguous, tokens ldq/ldk/ldv
+ *                 floats apart, so column slices of a fused qkv projection need no copy)
+ *   k/v pages     (num_blocks, BS, KVH, D)      float32 | bfloat16 | int8 codes | e4m3fn bytes
+ *   k/v scales    (num_blocks, BS, KVH) float32, 8-bit pages only: value = code * scale
+ *   slots         (T,) int64, flat slot = block * BS + offset of each new token
+ *   tables        (S, W) int64 block ids;  qstart, qlen, ctx (S,) int32
+ *
+ * Query j of sequence i sits at position p = ctx[i] - qlen[i] + j and sees the keys at lo..p,
+ * lo = 0, or max(0, p - window + 1) for a sliding layer; query head h reads kv head h / G
+ * (G = H / KVH). Scores are q.k * scale, optionally softcap * tanh(s / softcap).
+ *
+ * Work: a tile is (sequence, kv head, up to QT consecutive queries) times the G heads sharing
+ * that kv head, about ROWS rows (query, head) that use every key and value row while it sits in
+ * L1. Tiles run in parallel; when a step has fewer tiles than 2 x threads (one long decode), a
+ * tile's key segments run in parallel too, and the last to finish folds them (flash-decoding).
+ * A small step runs on one thread; a parallel one has a single join and no barrier inside.
+ *
+ * BATCH INVARIANCE: a row's result is a fixed function of its query and its keys lo..p, the same
+ * whatever else is in the step, however the prompt was chunked, and whatever the thread count:
+ *   - keys are cut at absolute positions: segments of SEG, chunks of KB; key pos is lane pos % KB;
+ *   - in a segment the online softmax starts fresh and takes chunk after chunk; the segments'
+ *     states are folded left to right, by the same function whether one thread ran them all or
+ *     each ran apart;
+ *   - each score is one dot product with one accumulator in the same order; keys outside a row's
+ *     range are masked lanes that add exact zeros (exp gives 0, and 0 * v leaves a sum as is).
+ * A tile only decides which rows share loads, never the operations on a row.
+ *
+ * Built at first use by tidal/kernels/build.py (-O3 -march=native -fopenmp). `isa` picks AVX2+FMA
+ * (with F16C for e4m3) or the scalar code below, which computes the same function to rounding. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define TIDAL_AVX2 1
+#else
+#define TIDAL_AVX2 0
+#endif
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1 };
+
+#define KB 16   /* keys per chunk: one softmax update per row per chunk; a multiple of 8 */
+#define SEG 256 /* keys per segment, a multiple of KB: the unit a long decode is split into */
+#define ROWS 16 /* rows (query x head) a tile aims for */
+/* below these many row x key x column products a step runs on one thread (~20 us of work) */
+#define PARALLEL_WORK (1 << 19)
+/* below these many K/V elements the write runs on one thread */
+#define PARALLEL_WRITE (1 << 16)
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+#define NEG_INF (-__builtin_inff())
+
+int tidal_paged_attention_best_isa(void) { return TIDAL_AVX2 ? ISA_AVX2 : ISA_SCALAR; }
+
+typedef struct {
+    const float *q, *k, *v;
+    int64_t ldq, ldk, ldv;
+    float *out;
+    void *kp, *vp;   /* pages */
+    float *ks, *vs;  /* scales (8-bit pages) or NULL */
+    const int64_t *slots, *tables;
+    const int32_t *qstart, *qlen, *ctx;
+    int64_t S, T, H, KVH, D, BS, W, window;
+    float scale, softcap;
+    int type, isa, G, QT;
+} prm_t;
+
+typedef struct {
+    int32_t seq, g, j0, nq;  /* queries j0 .. j0 + nq - 1 of sequence seq, kv head g */
+    int32_t seg0, seg1;      /* the key segments its rows touch, [seg0, seg1) */
+    int64_t part;            /* split tiles: float offset of its per-segment states; else -1 */
+    int64_t split;           /* split tiles: index of its parts-done counter; else -1 */
+} tile_t;
+
+typedef struct {
+    int32_t tile, seg;       /* seg < 0: the whole tile */
+} item_t;
+
+typedef struct {
+    float *cm, *cl, *cacc;   /* per row: the current segment's max, sum, accumulator (D) */
+    float *tm, *tl, *tacc;   /* per row: the folded state of the segments so far */
+    float *sc;               /* R x KB scores, then probabilities */
+    float *kbuf, *vbuf;      /* KB x D: a chunk of e4m3 keys and values widened to float */
+    float *alpha;            /* R: this chunk's rescale of the accumulator */
+    int64_t *lo, *pos;       /* per row: first and last key position */
+    const float **qr;        /* per row: its query */
+    float kmul[KB], vmul[KB];
+    int64_t off[KB];         /* per lane: slot * KVH + g, the row index into pages and scales */
+    int64_t next[KB];        /* per lane: the next chunk's rows, prefetched meanwhile */
+} scr_t;
+
+/* ---------------------------------------------------------------- scalar helpers */
+
+static inline float f32_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t bits_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float maxf(float a, float b) { return a > b ? a : b; }
+
+/* round half to even for |x| < 2^22 (as torch.round); no libm, no dependence on the build */
+static inline float rne(float x) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    return x >= 0 ? (x + magic) - magic : (x - magic) + magic;
+}
+
+/* exp for x <= ~88 (Cephes expf: ~1 ulp); exp(0) == 1 exactly */
+static inline float exp_s(float x) {
+    x = x < -87.3365447504f ? -87.3365447504f : (x > 88.0f ? 88.0f : x);
+    float n = rne(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    return y * f32_bits((uint32_t)((int32_t)n + 127) << 23);
+}
+
+/* tanh (Cephes tanhf: polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above) */
+static inline float tanh_s(float x) {
+    float ax = x < 0 ? -x : x;
+    if (ax < 0.625f) {
+        float z = x * x;
+        float p = -5.70498872745e-3f;
+        p = p * z + 2.06390887954e-2f;
+        p = p * z - 5.37397155531e-2f;
+        p = p * z + 1.33314422036e-1f;
+        p = p * z - 3.33332819422e-1f;
+        return p * z * x + x;
+    }
+    float t = 1.0f - 2.0f / (exp_s(2.0f * ax) + 1.0f);
+    return x < 0 ? -t : t;
+}
+
+static inline uint16_t bf16_rne(float f) {
+    uint32_t u = bits_f32(f);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0; /* NaN */
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_f32(uint16_t h) { return f32_bits((uint32_t)h << 16); }
+
+/* float -> e4m3fn byte, rounding to nearest even: c10's fp8e4m3fn_from_fp32_value, so the
+ * codes match torch's .to(torch.float8_e4m3fn) bit for bit */
+static inline uint8_t e4m3_from_f32(float f) {
+    uint32_t u = bits_f32(f);
+    uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t res;
+    if (u >= (1087u << 20)) {
+        res = 0x7F; /* NaN: 480 and above */
+    } else if (u < (121u << 23)) {
+        const uint32_t denorm = 141u << 23;
+        res = (uint8_t)(bits_f32(f32_bits(u) + f32_bits(denorm)) - denorm);
+    } else {
+        uint32_t odd = (u >> 20) & 1u;
+        u += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu;
+        u += odd;
+        res = (uint8_t)(u >> 20);
+    }
+    return res | (uint8_t)(sign >> 24);
+}
+
+static inline float e4m3_f32(uint8_t b) {
+    int e = (b >> 3) & 0xF, m = b & 7;
+    float v = e ? (1.0f + m / 8.0f) * (float)(1 << e) / 128.0f : m / 8.0f / 64.0f;
+    return (b & 0x80) ? -v : v;
+}
+
+/* element i of a page row as float (scalar path); 8-bit codes before their scale */
+ALWAYS_INLINE float load1(const void *base, int64_t i, int type) {
+    switch (type) {
+    case KV_F32: return ((const float *)base)[i];
+    case KV_BF16: return bf16_f32(((const uint16_t *)base)[i]);
+    case KV_INT8: return (float)((const int8_t *)base)[i];
+    default: return e4m3_f32(((const uint8_t *)base)[i]);
+    }
+}
+
+/* ---------------------------------------------------------------- AVX2 helpers */
+#if TIDAL_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline float hmax256(__m256 v) {
+    __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* the same Cephes expf as exp_s, 8 lanes */
+static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.3365447504f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static inline float exp1_avx2(float x) {
+    return _mm_cvtss_f32(_mm256_castps256_ps128(exp256(_mm256_set1_ps(x))));
+}
+
+static inline __m256 tanh256(__m256 x) {
+    __m256 signbit = _mm256_set1_ps(-0.0f);
+    __m256 ax = _mm256_andnot_ps(signbit, x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+    __m256 e = exp256(_mm256_add_ps(ax, ax));
+    __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                               _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+    big = _mm256_or_ps(big, _mm256_and_ps(signbit, x));
+    return _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+}
+
+/* 8 e4m3 bytes -> float / 256: moving exponent and mantissa 7 bits up makes an fp16 whose
+ * exponent bias is 8 too small (15 vs 7), which F16C converts exactly, subnormals included. */
+static inline __m256 e4m3x8_div256(const uint8_t *p) {
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    __m128i mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+}
+
+/* 8 elements of a page row as float; 8-bit codes before their scale (e4m3 also / 256) */
+ALWAYS_INLINE __m256 load8(const void *base, int64_t i, int type) {
+    switch (type) {
+    case KV_F32: return _mm256_loadu_ps((const float *)base + i);
+    case KV_BF16: {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    case KV_INT8:
+        return _mm256_cvtepi32_ps(
+            _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + i))));
+    default: return e4m3x8_div256((const uint8_t *)base + i);
+    }
+}
+
+/* the 8 lane sums of v[0..7], each as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)): one
+ * tree for every dot product, whichever slot it sits in */
+static inline __m256 hsum8x(const __m256 v[8]) {
+    __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    /* u0 = [v0 v1 v2 v3 (lanes 0-3) | v0 v1 v2 v3 (lanes 4-7)], u1 likewise for v4..v7 */
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* s[r * KB + kk] = q_r . key(kk) for NR rows x NK keys from kk0; one accumulator per pair, d in
+ * order, one reduction tree, so a pair's sum does not depend on NR, NK or its neighbours */
+ALWAYS_INLINE void qk_block(const float *const *qr, int NR, const void *kbase, const int64_t *off,
+                            const int64_t *next, int kk0, int NK, int64_t D, int type, float *s) {
+    __m256 acc[8]; /* pair (i, j) in acc[2 * i + j]; unused ones stay 0 */
+    const uint8_t *kr[2], *pf[2];
+    int esz = type == KV_F32 ? 4 : type == KV_BF16 ? 2 : 1;
+    for (int j = 0; j < NK; j++) {
+        kr[j] = (const uint8_t *)kbase + off[kk0 + j] * D * esz;
+        pf[j] = (const uint8_t *)kbase + next[kk0 + j] * D * esz;
+    }
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 kv[2];
+        if (((d * esz) & 63) == 0) /* the next chunk's keys: pages are scattered, so no HW stream */
+            for (int j = 0; j < NK; j++) _mm_prefetch((const char *)pf[j] + d * esz, _MM_HINT_T0);
+        for (int j = 0; j < NK; j++) {
+            kv[j] = load8(kr[j], d, type);
+            __asm__("" : "+x"(kv[j])); /* one load per vector, kept in a register: GCC else
+                                          folds it into each FMA (12 loads per 8 FMAs) */
+        }
+        for (int i = 0; i < NR; i++) {
+            __m256 qv = _mm256_loadu_ps(qr[i] + d);
+            __asm__("" : "+x"(qv));
+            for (int j = 0; j < NK; j++) acc[2 * i + j] = _mm256_fmadd_ps(qv, kv[j], acc[2 * i + j]);
+        }
+    }
+    float sums[8];
+    _mm256_storeu_ps(sums, hsum8x(acc));
+    for (int i = 0; i < NR; i++)
+        for (int j = 0; j < NK; j++) s[i * KB + kk0 + j] = sums[2 * i + j];
+}
+
+ALWAYS_INLINE void qk_rows_avx2(const float *const *qr, int nrows, const void *kbase,
+                                const int64_t *off, const int64_t *next, int kk0, int kk1, int64_t D,
+                                int type, float *s) {
+    /* keys outer: a pair of key rows stays in L1 while every row block uses it */
+    for (int kk = kk0; kk <= kk1; kk += 2) {
+        int nk = kk1 - kk >= 1 ? 2 : 1;
+        for (int r = 0; r < nrows; r += 4) {
+            int nr = nrows - r < 4 ? nrows - r : 4;
+            float *sr = s + r * KB;
+            const float *const *q = qr + r;
+            switch (nr * 4 + nk) { /* constant shapes unroll into registers */
+            case 4 * 4 + 2: qk_block(q, 4, kbase, off, next, kk, 2, D, type, sr); break;
+            case 4 * 4 + 1: qk_block(q, 4, kbase, off, next, kk, 1, D, type, sr); break;
+            case 3 * 4 + 2: qk_block(q, 3, kbase, off, next, kk, 2, D, type, sr); break;
+            case 3 * 4 + 1: qk_block(q, 3, kbase, off, next, kk, 1, D, type, sr); break;
+            case 2 * 4 + 2: qk_block(q, 2, kbase, off, next, kk, 2, D, type, sr); break;
+            case 2 * 4 + 1: qk_block(q, 2, kbase, off, next, kk, 1, D, type, sr); break;
+            case 1 * 4 + 2: qk_block(q, 1, kbase, off, next, kk, 2, D, type, sr); break;
+            default: qk_block(q, 1, kbase, off, next, kk, 1, D, type, sr); break;
+            }
+        }
+    }
+}
+
+/* acc_r = acc_r * alpha_r + sum over kk0..kk1 (in order) of p[r][kk] * value(kk), for NR rows,
+ * 16 (or 8, NV = 1) columns from d */
+ALWAYS_INLINE void pv_block(float *acc, int64_t D, int NR, const float *alpha, const float *p,
+                            const void *vbase, const int64_t *off, const int64_t *next, int kk0,
+                            int kk1, int64_t d, int NV, int type) {
+    __m256 a[4][2];
+    int esz = type == KV_F32 ? 4 : type == KV_BF16 ? 2 : 1;
+    for (int i = 0; i < NR; i++) {
+        __m256 al = _mm256_set1_ps(alpha[i]);
+        for (int c = 0; c < NV; c++)
+            a[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d + 8 * c), al);
+    }
+    for (int kk = kk0; kk <= kk1; kk++) {
+        const uint8_t *vr = (const uint8_t *)vbase + off[kk] * D * esz;
+        if (((d * esz) & 63) == 0)
+            _mm_prefetch((const char *)vbase + (next[kk] * D + d) * esz, _MM_HINT_T0);
+        __m256 vv[2];
+        for (int c = 0; c < NV; c++) vv[c] = load8(vr, d + 8 * c, type);
+        for (int i = 0; i < NR; i++) {
+            __m256 pb = _mm256_broadcast_ss(p + i * KB + kk);
+            for (int c = 0; c < NV; c++) a[i][c] = _mm256_fmadd_ps(pb, vv[c], a[i][c]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int c = 0; c < NV; c++) _mm256_storeu_ps(acc + i * D + d + 8 * c, a[i][c]);
+}
+
+ALWAYS_INLINE void pv_rows_avx2(float *acc, int nrows, int64_t D, const float *alpha,
+                                const float *p, const void *vbase, const int64_t *off,
+                                const int64_t *next, int kk0, int kk1, int type) {
+    /* columns outer: a 16-column slice of the chunk's values stays in L1 for every row block */
+    for (int64_t d = 0; d < D; d += 16) {
+        int nv = D - d >= 16 ? 2 : 1;
+        for (int r = 0; r < nrows; r += 4) {
+            int nr = nrows - r < 4 ? nrows - r : 4;
+            float *ar = acc + r * D;
+            const float *al = alpha + r, *pr = p + r * KB;
+            switch (nr * 4 + nv) {
+            case 4 * 4 + 2: pv_block(ar, D, 4, al, pr, vbase, off, next, kk0, kk1, d, 2, type); break;
+            case 4 * 4 + 1: pv_block(ar, D, 4, al, pr, vbase, off, next, kk0, kk1, d, 1, type); break;
+            case 3 * 4 + 2: pv_block(ar, D, 3, al, pr, vbase, off, next, kk0, kk1, d, 2, type); break;
+            case 3 * 4 + 1: pv_block(ar, D, 3, al, pr, vbase, off, next, kk0, kk1, d, 1, type); break;
+            case 2 * 4 + 2: pv_block(ar, D, 2, al, pr, vbase, off, next, kk0, kk1, d, 2, type); break;
+            case 2 * 4 + 1: pv_block(ar, D, 2, al, pr, vbase, off, next, kk0, kk1, d, 1, type); break;
+            case 1 * 4 + 2: pv_block(ar, D, 1, al, pr, vbase, off, next, kk0, kk1, d, 2, type); break;
+            default: pv_block(ar, D, 1, al, pr, vbase, off, next, kk0, kk1, d, 1, type); break;
+            }
+        }
+    }
+}
+
+/* one row's chunk: scores s[KB] (masked lanes -inf) -> probabilities (times vmul), new max/sum */
+static void softmax_row_avx2(float *s, const float *kmul, const float *vmul, float scale,
+                             float softcap, float *m, float *l, float *alpha) {
+    const __m256 ninf = _mm256_set1_ps(NEG_INF);
+    __m256 x[2], valid[2];
+    for (int c = 0; c < 2; c++) {
+        x[c] = _mm256_loadu_ps(s + 8 * c);
+        valid[c] = _mm256_cmp_ps(x[c], ninf, _CMP_NEQ_OQ);
+        if (kmul) x[c] = _mm256_mul_ps(x[c], _mm256_loadu_ps(kmul + 8 * c));
+        x[c] = _mm256_mul_ps(x[c], _mm256_set1_ps(scale));
+        if (softcap > 0) {
+            __m256 cap = _mm256_set1_ps(softcap);
+            x[c] = _mm256_mul_ps(tanh256(_mm256_div_ps(x[c], cap)), cap);
+        }
+        x[c] = _mm256_blendv_ps(ninf, x[c], valid[c]);
+    }
+    float mx = maxf(*m, hmax256(_mm256_max_ps(x[0], x[1])));
+    *alpha = *m == NEG_INF ? 0.0f : exp1_avx2(*m - mx);
+    __m256 mv = _mm256_set1_ps(mx), p[2];
+    for (int c = 0; c < 2; c++) p[c] = _mm256_and_ps(exp256(_mm256_sub_ps(x[c], mv)), valid[c]);
+    *l = *l * *alpha + hsum256(_mm256_add_ps(p[0], p[1]));
+    *m = mx;
+    for (int c = 0; c < 2; c++) {
+        if (vmul) p[c] = _mm256_mul_ps(p[c], _mm256_loadu_ps(vmul + 8 * c));
+        _mm256_storeu_ps(s + 8 * c, p[c]);
+    }
+}
+#endif /* TIDAL_AVX2 */
+
+/* ---------------------------------------------------------------- scalar kernels */
+
+static void qk_rows_scalar(const float *const *qr, int nrows, const void *kbase, const int64_t *off,
+                           int kk0, int kk1, int64_t D, int type, float *s) {
+    for (int r = 0; r < nrows; r++)
+        for (int kk = kk0; kk <= kk1; kk++) {
+            float t = 0.0f;
+            for (int64_t d = 0; d < D; d++) t += qr[r][d] * load1(kbase, off[kk] * D + d, type);
+            s[r * KB + kk] = t;
+        }
+}
+
+static void pv_rows_scalar(float *acc, int nrows, int64_t D, const float *alpha, const float *p,
+                           const void *vbase, const int64_t *off, int kk0, int kk1, int type) {
+    for (int r = 0; r < nrows; r++) {
+        float *a = acc + r * D;
+        for (int64_t d = 0; d < D; d++) a[d] *= alpha[r];
+        for (int kk = kk0; kk <= kk1; kk++) {
+            float pk = p[r * KB + kk];
+            for (int64_t d = 0; d < D; d++) a[d] += pk * load1(vbase, off[kk] * D + d, type);
+        }
+    }
+}
+
+static void softmax_row_scalar(float *s, const float *kmul, const float *vmul, float scale,
+                               float softcap, float *m, float *l, float *alpha) {
+    float mx = *m, sum = 0.0f;
+    for (int kk = 0; kk < KB; kk++) {
+        if (s[kk] == NEG_INF) continue;
+        float x = s[kk];
+        if (kmul) x *= kmul[kk];
+        x *= scale;
+        if (softcap > 0) x = tanh_s(x / softcap) * softcap;
+        s[kk] = x;
+        mx = maxf(mx, x);
+    }
+    *alpha = *m == NEG_INF ? 0.0f : exp_s(*m - mx);
+    for (int kk = 0; kk < KB; kk++) {
+        float pk = s[kk] == NEG_INF ? 0.0f : exp_s(s[kk] - mx);
+        sum += pk;
+        s[kk] = vmul ? pk * vmul[kk] : pk;
+    }
+    *l = *l * *alpha + sum;
+    *m = mx;
+}
+
+/* ---------------------------------------------------------------- the driver */
+
+/* keys (values) of lanes kk0..kk1 at rows off[] of kb (vb), stored as `type` */
+static void qk_rows(const prm_t *P, const void *kb, int type, const int64_t *off,
+                    const int64_t *next, const float *const *qr, int nrows, int kk0, int kk1,
+                    float *s) {
+    int64_t D = P->D;
+#if TIDAL_AVX2
+    if (P->isa == ISA_AVX2) {
+        switch (type) {
+        case KV_F32: qk_rows_avx2(qr, nrows, kb, off, next, kk0, kk1, D, KV_F32, s); return;
+        case KV_BF16: qk_rows_avx2(qr, nrows, kb, off, next, kk0, kk1, D, KV_BF16, s); return;
+        case KV_INT8: qk_rows_avx2(qr, nrows, kb, off, next, kk0, kk1, D, KV_INT8, s); return;
+        default: qk_rows_avx2(qr, nrows, kb, off, next, kk0, kk1, D, KV_FP8, s); return;
+        }
+    }
+#endif
+    (void)next;
+    qk_rows_scalar(qr, nrows, kb, off, kk0, kk1, D, type, s);
+}
+
+static void pv_rows(const prm_t *P, const void *vb, int type, const int64_t *off,
+                    const int64_t *next, float *acc, int nrows, const float *alpha,
+                    const float *p, int kk0, int kk1) {
+    int64_t D = P->D;
+#if TIDAL_AVX2
+    if (P->isa == ISA_AVX2) {
+        switch (type) {
+        case KV_F32: pv_rows_avx2(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_F32); return;
+        case KV_BF16: pv_rows_avx2(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_BF16); return;
+        case KV_INT8: pv_rows_avx2(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_INT8); return;
+        default: pv_rows_avx2(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_FP8); return;
+        }
+    }
+#endif
+    (void)next;
+    pv_rows_scalar(acc, nrows, D, alpha, p, vb, off, kk0, kk1, type);
+}
+
+#if TIDAL_AVX2
+ALWAYS_INLINE void widen_rows(const void *base, const int64_t *off, const int64_t *next, int kk0,
+                              int kk1, int64_t D, int type, float *buf) {
+    int esz = type == KV_BF16 ? 2 : 1;
+    for (int kk = kk0; kk <= kk1; kk++) {
+        const uint8_t *src = (const uint8_t *)base + off[kk] * D * esz;
+        for (int64_t d = 0; d < D; d += 8) {
+            if (((d * esz) & 63) == 0)
+                _mm_prefetch((const char *)base + (next[kk] * D + d) * esz, _MM_HINT_T0);
+            _mm256_storeu_ps(buf + kk * D + d, load8(src, d, type));
+        }
+    }
+}
+
+/* rows off[kk0..kk1] of 16- or 8-bit pages as float32 rows kk of buf: exact, so reading buf
+ * gives the very sums that reading the pages would (e4m3 as value / 256, as load8 gives it) */
+static void widen_chunk(const void *base, int type, const int64_t *off, const int64_t *next,
+                        int kk0, int kk1, int64_t D, float *buf) {
+    switch (type) {
+    case KV_BF16: widen_rows(base, off, next, kk0, kk1, D, KV_BF16, buf); return;
+    case KV_INT8: widen_rows(base, off, next, kk0, kk1, D, KV_INT8, buf); return;
+    default: widen_rows(base, off, next, kk0, kk1, D, KV_FP8, buf); return;
+    }
+}
+
+static const int64_t LANES[KB] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#endif
+
+static void softmax_row(const prm_t *P, float *s, const float *kmul, const float *vmul, float *m,
+                        float *l, float *alpha) {
+#if TIDAL_AVX2
+    if (P->isa == ISA_AVX2) {
+        softmax_row_avx2(s, kmul, vmul, P->scale, P->softcap, m, l, alpha);
+        return;
+    }
+#endif
+    softmax_row_scalar(s, kmul, vmul, P->scale, P->softcap, m, l, alpha);
+}
+
+static inline float exp_isa(const prm_t *P, float x) {
+#if TIDAL_AVX2
+    if (P->isa == ISA_AVX2) return exp1_avx2(x);
+#endif
+    (void)P;
+    return exp_s(x);
+}
+
+/* (tm, tl, tacc) <- fold of itself and a segment's (cm, cl, cacc); an empty state has m = -inf */
+static void fold(const prm_t *P, float *tm, float *tl, float *tacc, float cm, float cl,
+                 const float *cacc) {
+    int64_t D = P->D;
+    if (cm == NEG_INF) return;
+    if (*tm == NEG_INF) {
+        *tm = cm, *tl = cl;
+        memcpy(tacc, cacc, sizeof(float) * (size_t)D);
+        return;
+    }
+    float m = maxf(*tm, cm);
+    float a1 = exp_isa(P, *tm - m), a2 = exp_isa(P, cm - m);
+    *tl = *tl * a1 + cl * a2;
+    *tm = m;
+    int64_t d = 0;
+#if TIDAL_AVX2
+    if (P->isa == ISA_AVX2) {
+        __m256 v1 = _mm256_set1_ps(a1), v2 = _mm256_set1_ps(a2);
+        for (; d + 8 <= D; d += 8)
+            _mm256_storeu_ps(tacc + d, _mm256_fmadd_ps(_mm256_loadu_ps(cacc + d), v2,
+                                                       _mm256_mul_ps(_mm256_loadu_ps(tacc + d), v1)));
+    }
+#endif
+    for (; d < D; d++) tacc[d] = tacc[d] * a1 + cacc[d] * a2;
+}
+
+static void finish_row(const prm_t *P, float l, const float *acc, float *out) {
+    for (int64_t d = 0; d < P->D; d++) out[d] = acc[d] / l;
+}
+
+/* the rows of tile tl: positions, bounds, query pointers; returns the row count */
+static int tile_rows(const prm_t *P, const tile_t *tl, scr_t *w) {
+    int G = P->G, R = tl->nq * G;
+    int64_t i = tl->seq, p0 = (int64_t)P->ctx[i] - P->qlen[i] + tl->j0;
+    for (int r = 0; r < R; r++) {
+        int64_t jj = r / G, hh = r % G, p = p0 + jj;
+        int64_t t = (int64_t)P->qstart[i] + tl->j0 + jj;
+        w->pos[r] = p;
+        w->lo[r] = P->window > 0 && p - P->window + 1 > 0 ? p - P->window + 1 : 0;
+        w->qr[r] = P->q + t * P->ldq + ((int64_t)tl->g * G + hh) * P->D;
+    }
+    return R;
+}
+
+/* dst[kk] = the page row (slot * KVH + g) of key c0 + kk, for the keys in [a, b] */
+static void lane_rows(const prm_t *P, const int64_t *table, int64_t g, int64_t c0, int64_t a,
+                      int64_t b, int64_t *dst) {
+    int64_t first = c0 > a ? c0 : a, last = c0 + KB - 1 < b ? c0 + KB - 1 : b;
+    for (int64_t pos = first; pos <= last; pos++)
+        dst[pos - c0] = (table[pos / P->BS] * P->BS + pos % P->BS) * P->KVH + g;
+}
+
+/* the current-segment state of every row of the tile over segment s */
+static void run_segment(const prm_t *P, const tile_t *tl, int R, int64_t s, scr_t *w) {
+    int G = P->G;
+    int64_t D = P->D, nq = tl->nq;
+    for (int r = 0; r < R; r++) w->cm[r] = NEG_INF, w->cl[r] = 0.0f;
+    memset(w->cacc, 0, sizeof(float) * (size_t)(R * D));
+    int64_t a = s * SEG > w->lo[0] ? s * SEG : w->lo[0];
+    int64_t b = s * SEG + SEG - 1 < w->pos[R - 1] ? s * SEG + SEG - 1 : w->pos[R - 1];
+    int64_t p0 = w->pos[0];
+    const int64_t *table = P->tables + (int64_t)tl->seq * P->W;
+    int quant = P->type == KV_INT8 || P->type == KV_FP8;
+    float qmul = P->type == KV_FP8 && P->isa == ISA_AVX2 ? 256.0f : 1.0f; /* e4m3x8_div256 */
+    int64_t c0 = a - a % KB;
+    lane_rows(P, table, tl->g, c0, a, b, w->off);
+    for (; c0 <= b; c0 += KB) {
+        int64_t ka = c0 > a ? c0 : a, kb = c0 + KB - 1 < b ? c0 + KB - 1 : b;
+        int kk0 = (int)(ka - c0), kk1 = (int)(kb - c0);
+        int more = c0 + KB <= b;
+        if (more) lane_rows(P, table, tl->g, c0 + KB, c0 + KB, b, w->next);
+        for (int kk = 0; kk < KB; kk++) /* lanes without a next key re-touch a current one */
+            if (!more || c0 + KB + kk > b) w->next[kk] = w->off[kk0];
+        /* the queries whose [lo, p] meet [ka, kb]: p >= ka, and lo <= kb */
+        int64_t qa = ka - p0 > 0 ? ka - p0 : 0;
+        int64_t qb = nq - 1;
+        if (P->window > 0 && kb + P->window - 1 - p0 < qb) qb = kb + P->window - 1 - p0;
+        if (qa > qb) { /* cannot happen: every key of [lo_0, p_last] has a query */
+            memcpy(w->off, w->next, sizeof w->off);
+            continue;
+        }
+        int ra = (int)(qa * G), rb = (int)((qb + 1) * G), nr = rb - ra;
+        if (quant) /* each key's and value's scale; 0 on lanes outside the chunk */
+            for (int kk = 0; kk < KB; kk++) {
+                int in = kk >= kk0 && kk <= kk1;
+                w->kmul[kk] = in ? P->ks[w->off[kk]] * qmul : 0.0f;
+                w->vmul[kk] = in ? P->vs[w->off[kk]] * qmul : 0.0f;
+            }
+        float *sc = w->sc + ra * KB;
+        for (int r = 0; r < nr; r++)
+            for (int kk = 0; kk < KB; kk++) sc[r * KB + kk] = NEG_INF;
+        const void *kbase = P->kp, *vbase = P->vp;
+        const int64_t *off = w->off, *next = w->next;
+        int type = P->type;
+#if TIDAL_AVX2
+        if (P->isa == ISA_AVX2 && type == KV_FP8 && nr > 4) {
+            /* more than one block of 4 rows would each convert the chunk: convert it once
+             * (e4m3 only: int8 and bfloat16 convert in 2 instructions, cheaper than a copy) */
+            widen_chunk(P->kp, type, off, next, kk0, kk1, D, w->kbuf);
+            widen_chunk(P->vp, type, off, next, kk0, kk1, D, w->vbuf);
+            kbase = w->kbuf, vbase = w->vbuf, off = next = LANES, type = KV_F32;
+        }
+#endif
+        qk_rows(P, kbase, type, off, next, w->qr + ra, nr, kk0, kk1, sc);
+        for (int r = 0; r < nr; r++) {
+            int64_t lo = w->lo[ra + r], p = w->pos[ra + r];
+            float *sr = sc + r * KB;
+            for (int kk = kk0; kk <= kk1; kk++)
+                if (c0 + kk < lo || c0 + kk > p) sr[kk] = NEG_INF;
+            softmax_row(P, sr, quant ? w->kmul : NULL, quant ? w->vmul : NULL, &w->cm[ra + r],
+                        &w->cl[ra + r], &w->alpha[ra + r]);
+        }
+        pv_rows(P, vbase, type, off, next, w->cacc + ra * D, nr, w->alpha + ra, sc, kk0, kk1);
+        memcpy(w->off, w->next, sizeof w->off);
+    }
+}
+
+/* a whole tile: its segments in order, folded, written to out */
+static void run_tile(const prm_t *P, const tile_t *tl, scr_t *w) {
+    int R = tile_rows(P, tl, w);
+    int64_t D = P->D;
+    for (int r = 0; r < R; r++) w->tm[r] = NEG_INF, w->tl[r] = 0.0f;
+    for (int64_t s = tl->seg0; s < tl->seg1; s++) {
+        run_segment(P, tl, R, s, w);
+        for (int r = 0; r < R; r++)
+            fold(P, &w->tm[r], &w->tl[r], w->tacc + r * D, w->cm[r], w->cl[r], w->cacc + r * D);
+    }
+    for (int r = 0; r < R; r++) {
+        int64_t t = (int64_t)P->qstart[tl->seq] + tl->j0 + r / P->G;
+        int64_t h = (int64_t)tl->g * P->G + r % P->G;
+        finish_row(P, w->tl[r], w->tacc + r * D, P->out + (t * P->H + h) * D);
+    }
+}
+
+/* one segment of a split tile: every row's state (m, l, acc[D]) into its slot of `part` */
+static void run_part(const prm_t *P, const tile_t *tl, int64_t s, float *part, scr_t *w) {
+    int R = tile_rows(P, tl, w);
+    int64_t D = P->D;
+    run_segment(P, tl, R, s, w);
+    float *dst = part + tl->part + (s - tl->seg0) * R * (D + 2);
+    for (int r = 0; r < R; r++, dst += D + 2) {
+        dst[0] = w->cm[r], dst[1] = w->cl[r];
+        memcpy(dst + 2, w->cacc + r * D, sizeof(float) * (size_t)D);
+    }
+}
+
+/* a split tile's segments folded in order, as run_tile folds them */
+static void merge_parts(const prm_t *P, const tile_t *tl, const float *part, scr_t *w) {
+    int R = tl->nq * P->G;
+    int64_t D = P->D;
+    for (int r = 0; r < R; r++) {
+        float m = NEG_INF, l = 0.0f;
+        for (int64_t s = tl->seg0; s < tl->seg1; s++) {
+            const float *src = part + tl->part + ((s - tl->seg0) * R + r) * (D + 2);
+            fold(P, &m, &l, w->tacc, src[0], src[1], src + 2);
+        }
+        int64_t t = (int64_t)P->qstart[tl->seq] + tl->j0 + r / P->G;
+        int64_t h = (int64_t)tl->g * P->G + r % P->G;
+        finish_row(P, l, w->tacc, P->out + (t * P->H + h) * D);
+    }
+}
+
+/* quantize or store token t's kv head g of x at page row idx = slot * KVH + g */
+static void write_row(const prm_t *P, const float *x, int64_t idx, void *pages, float *scales) {
+    int64_t D = P->D;
+    switch (P->type) {
+    case KV_F32: memcpy((float *)pages + idx * D, x, sizeof(float) * (size_t)D); return;
+    case KV_BF16: {
+        uint16_t *dst = (uint16_t *)pages + idx * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = bf16_rne(x[d]);
+        return;
+    }
+    default: break;
+    }
+    /* as tidal.quant.kv_quant.quantize_kv: scale = max(amax / qmax, 1e-12), codes of x / scale */
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; d++) amax = maxf(amax, x[d] < 0 ? -x[d] : x[d]);
+    float sc = amax / (P->type == KV_INT8 ? 127.0f : 448.0f);
+    sc = sc < 1e-12f ? 1e-12f : sc;
+    scales[idx] = sc;
+    if (P->type == KV_INT8) {
+        int8_t *dst = (int8_t *)pages + idx * D;
+        for (int64_t d = 0; d < D; d++) {
+            float c = rne(x[d] / sc);
+            dst[d] = (int8_t)(c > 127.0f ? 127.0f : (c < -127.0f ? -127.0f : c));
+        }
+    } else {
+        uint8_t *dst = (uint8_t *)pages + idx * D;
+        for (int64_t d = 0; d < D; d++) dst[d] = e4m3_from_f32(x[d] / sc);
+    }
+}
+
+/* The call's arguments, 8 bytes a field, as tidal/kernels/paged_attention.py packs them: one
+ * pointer crosses ctypes instead of 27 converted arguments (~4 us a call, 18 calls a step). */
+typedef struct {
+    const float *q, *k, *v;
+    int64_t ldq, ldk, ldv;  /* token strides of q, k, v in floats */
+    float *out;
+    int64_t T, H, KVH, D;
+    void *k_pages, *v_pages;
+    float *k_scales, *v_scales;  /* NULL unless 8-bit */
+    int64_t kv_type, block_size;
+    const int64_t *slot_mapping, *block_tables;
+    int64_t table_width;
+    const int32_t *seqs;  /* (3, S): query_start, query_lens, context_lens */
+    int64_t S, window;    /* window 0: none */
+    double scale, softcap; /* softcap 0: none */
+    int64_t isa, nthreads;
+} args_t;
+
+int64_t tidal_paged_attention_args_size(void) { return (int64_t)sizeof(args_t); }
+
+static void write_token(const prm_t *P, int64_t r) {
+    int64_t t = r / P->KVH, g = r % P->KVH, idx = P->slots[t] * P->KVH + g;
+    write_row(P, P->k + t * P->ldk + g * P->D, idx, P->kp, P->ks);
+    write_row(P, P->v + t * P->ldv + g * P->D, idx, P->vp, P->vs);
+}
+
+/* Returns 0, or -1 when an allocation failed (out is then incomplete). */
+int tidal_paged_attention(const void *packed) {
+    args_t a;
+    memcpy(&a, packed, sizeof a); /* no alignment assumed */
+    int64_t T = a.T, H = a.H, KVH = a.KVH, D = a.D, S = a.S, window = a.window;
+    const int32_t *query_lens = a.seqs + S, *context_lens = a.seqs + 2 * S;
+    int nthreads = (int)a.nthreads;
+    prm_t P = {a.q, a.k, a.v, a.ldq, a.ldk, a.ldv, a.out, a.k_pages, a.v_pages, a.k_scales,
+               a.v_scales, a.slot_mapping, a.block_tables, a.seqs, query_lens, context_lens,
+               S, T, H, KVH, D, a.block_size, a.table_width, window, (float)a.scale,
+               (float)a.softcap, (int)a.kv_type, (int)a.isa, 0, 0};
+    if (!TIDAL_AVX2 || D % 8) P.isa = ISA_SCALAR;
+    P.G = (int)(H / KVH);
+    P.QT = P.G >= ROWS ? 1 : ROWS / P.G;
+    int rmax = P.QT * P.G;
+
+    /* Threads: one for a small step, where waking a second one costs more than it saves (and
+     * on a busy machine a whole scheduler slice); work counts row x key x column products. */
+    int64_t n_tiles = 0, work = 0;
+    for (int64_t i = 0; i < S; i++) {
+        int64_t nq = query_lens[i], ctx = context_lens[i];
+        int64_t keys = window > 0 && window < ctx ? window : ctx - nq / 2;
+        n_tiles += KVH * ((nq + P.QT - 1) / P.QT);
+        work += H * nq * keys * D;
+    }
+    int nt = work < PARALLEL_WORK ? 1 : nthreads;
+    int split = nt > 1 && n_tiles < 2 * (int64_t)nt;
+    tile_t *tiles = malloc(sizeof(tile_t) * (size_t)(n_tiles + 1));
+    if (!tiles) return -1;
+    int64_t n_items = 0, n_split = 0, part_floats = 0, ti = 0;
+    for (int64_t i = 0; i < S; i++) {
+        int64_t first = (int64_t)context_lens[i] - query_lens[i];
+        for (int64_t g = 0; g < KVH; g++)
+            for (int64_t j0 = 0; j0 < query_lens[i]; j0 += P.QT) {
+                tile_t *tl = &tiles[ti++];
+                int64_t nq = query_lens[i] - j0 < P.QT ? query_lens[i] - j0 : P.QT;
+                int64_t plo = first + j0, phi = first + j0 + nq - 1;
+                int64_t lo = window > 0 && plo - window + 1 > 0 ? plo - window + 1 : 0;
+                *tl = (tile_t){(int32_t)i, (int32_t)g, (int32_t)j0, (int32_t)nq,
+                               (int32_t)(lo / SEG), (int32_t)(phi / SEG + 1), -1, -1};
+                int64_t nseg = tl->seg1 - tl->seg0;
+                if (split && nseg > 1) {
+                    tl->part = part_floats;
+                    tl->split = (int32_t)n_split++;
+                    part_floats += nseg * nq * P.G * (D + 2);
+                    n_items += nseg;
+                } else {
+                    n_items += 1;
+                }
+            }
+    }
+    item_t *items = malloc(sizeof(item_t) * (size_t)(n_items + 1));
+    int32_t *parts_done = calloc((size_t)(n_split + 1), sizeof(int32_t));
+    float *part = part_floats ? malloc(sizeof(float) * (size_t)part_floats) : NULL;
+    if (!items || !parts_done || (part_floats && !part)) {
+        free(tiles), free(items), free(parts_done), free(part);
+        return -1;
+    }
+    int64_t ni = 0;
+    for (int64_t t = 0; t < n_tiles; t++) {
+        if (tiles[t].split >= 0) {
+            for (int32_t s = tiles[t].seg0; s < tiles[t].seg1; s++) items[ni++] = (item_t){(int32_t)t, s};
+        } else {
+            items[ni++] = (item_t){(int32_t)t, -1};
+        }
+    }
+
+    /* the step's K/V first: every read below may see them */
+    if (nt == 1 || T * KVH * D < PARALLEL_WRITE) {
+        for (int64_t r = 0; r < T * KVH; r++) write_token(&P, r);
+    } else {
+#pragma omp parallel for schedule(static) num_threads(nt)
+        for (int64_t r = 0; r < T * KVH; r++) write_token(&P, r);
+    }
+
+    int failed = 0;
+    /* one join, no barrier inside: a split tile's last part to finish folds its parts */
+#pragma omp parallel num_threads(nt)
+    {
+        size_t fl = (size_t)rmax * (size_t)(2 * D + 5 + KB) + 2 * KB * (size_t)D;
+        fl = (fl + 1) & ~(size_t)1; /* int64 after */
+        size_t bytes = sizeof(float) * fl + sizeof(int64_t) * 2 * (size_t)rmax +
+                       sizeof(float *) * (size_t)rmax;
+        char *mem = malloc(bytes);
+        scr_t w;
+        if (mem) {
+            float *f = (float *)mem;
+            w.cacc = f, f += rmax * D;
+            w.tacc = f, f += rmax * D;
+            w.sc = f, f += rmax * KB;
+            w.cm = f, f += rmax;
+            w.cl = f, f += rmax;
+            w.tm = f, f += rmax;
+            w.tl = f, f += rmax;
+            w.alpha = f, f += rmax;
+            w.kbuf = f, f += KB * D;
+            w.vbuf = f, f += KB * D;
+            w.lo = (int64_t *)(mem + sizeof(float) * fl);
+            w.pos = w.lo + rmax;
+            w.qr = (const float **)(w.pos + rmax);
+        } else {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* longest tiles (last queries of a chunk) first */
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t it = n_items - 1; it >= 0; it--) {
+            if (!mem) continue;
+            const item_t *item = &items[it];
+            const tile_t *tl = &tiles[item->tile];
+            if (item->seg < 0) {
+                run_tile(&P, tl, &w);
+                continue;
+            }
+            run_part(&P, tl, item->seg, part, &w);
+            /* acq_rel: the last of the parts sees every other part's stores */
+            if (__atomic_add_fetch(&parts_done[tl->split], 1, __ATOMIC_ACQ_REL) ==
+                tl->seg1 - tl->seg0)
+                merge_parts(&P, tl, part, &w);
+        }
+        free(mem);
+    }
+    free(tiles), free(items), free(parts_done), free(part);
+    return failed ? -1 : 0;
+}
