@@ -57,7 +57,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     from tidal.kv.layout import KV_CACHE_DTYPES
     from tidal.quant.registry import SCHEMES
 
-    p.add_argument("--quantization", default="none", choices=SCHEMES, help="weight format")
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=SCHEMES,
+        help="weight format (auto: a GGUF file's own blocks on CPU, else float)",
+    )
     _gate_args(p, KV_CACHE_DTYPES, default_kv="auto")
 
 

@@ -1,5 +1,6 @@
 """A request's greedy output is the same alone or among 16 concurrent requests of mixed lengths:
-with or without prefix hits, chunked or not, preempted or not, and under priorities."""
+with or without prefix hits, chunked or not, preempted or not, and under priorities; for float
+weights (a tiny HF model) and for a GGUF's own blocks through tidal's kernels (the CPU default)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,29 @@ import random
 import pytest
 
 from tests.kv.pool_check import assert_pool_clean
+from tests.loader.test_weight_cache import write_tiny_quantized_gemma
 from tidal import LLM, SamplingParams
 
 NUM_REQUESTS = 16
 MAX_TOKENS = 12
 
 
-def _prompts(seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
+@pytest.fixture(scope="module", params=["hf-float", "gguf-blocks"])
+def model(request, tiny_model_dir, tmp_path_factory) -> tuple[str, int]:
+    """(checkpoint path, vocabulary size): the tiny HF model, or a tiny Gemma 3 GGUF in Q8_0,
+    Q5_0, Q4_K and Q6_K blocks with a sliding window of 8 (served from its blocks by default)."""
+    if request.param == "hf-float":
+        return str(tiny_model_dir), 320
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-q.gguf"
+    write_tiny_quantized_gemma(path)
+    return str(path), 64
+
+
+def _prompts(vocab: int, seed: int = 0, shared_prefix: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    prefix = [rng.randrange(3, 320) for _ in range(shared_prefix)]
+    prefix = [rng.randrange(3, vocab) for _ in range(shared_prefix)]
     return [
-        [1] + prefix + [rng.randrange(3, 320) for _ in range(rng.randrange(2, 50))]
+        [1] + prefix + [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 50))]
         for _ in range(NUM_REQUESTS)
     ]
 
@@ -39,17 +52,19 @@ def _assert_same(alone, batched):
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir):
+def reference(model):
     """Outputs of every request run alone, prefix caching off, one sequence at a time."""
+    path, vocab = model
     llm = LLM(
-        str(tiny_model_dir),
+        path,
         kv_cache_bytes=8 << 20,
         block_size=8,
         max_num_seqs=1,
         enable_prefix_caching=False,
     )
     return {
-        seed: _run_alone(llm, _prompts(seed, shared_prefix=20 if seed else 0)) for seed in (0, 1)
+        seed: _run_alone(llm, _prompts(vocab, seed, shared_prefix=20 if seed else 0))
+        for seed in (0, 1)
     }
 
 
@@ -71,9 +86,12 @@ def reference(tiny_model_dir):
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1])  # 1: all prompts share a 20-token prefix (prefix hits)
-def test_batched_equals_alone(tiny_model_dir, reference, name, kwargs, seed):
-    llm = LLM(str(tiny_model_dir), block_size=8, **kwargs)
-    prompts = _prompts(seed, shared_prefix=20 if seed else 0)
+def test_batched_equals_alone(model, reference, name, kwargs, seed):
+    path, vocab = model
+    if name == "preempted" and vocab == 64:  # 16 KiB pages, sliding window 8: chunk to preempt
+        kwargs = {**kwargs, "kv_cache_bytes": 200 << 10, "max_num_batched_tokens": 32}
+    llm = LLM(path, block_size=8, **kwargs)
+    prompts = _prompts(vocab, seed, shared_prefix=20 if seed else 0)
     priorities = [random.Random(seed).randrange(-2, 3) for _ in prompts]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, priority=priorities)
     _assert_same(reference[seed], outs)
@@ -85,9 +103,10 @@ def test_batched_equals_alone(tiny_model_dir, reference, name, kwargs, seed):
     assert_pool_clean(llm.engine.kv)
 
 
-def test_prefix_hit_on_second_run_changes_nothing(tiny_model_dir, reference):
-    llm = LLM(str(tiny_model_dir), kv_cache_bytes=8 << 20, block_size=8)
-    prompts = _prompts(0)
+def test_prefix_hit_on_second_run_changes_nothing(model, reference):
+    path, vocab = model
+    llm = LLM(path, kv_cache_bytes=8 << 20, block_size=8)
+    prompts = _prompts(vocab, 0)
     first = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
     hits_before = llm.engine.kv.prefix_hit_tokens
     second = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)

@@ -21,9 +21,11 @@ FIXTURE = json.loads(
 LOGIT_ATOL = FIXTURE["tolerance"]["logit_atol"]
 
 
-@pytest.fixture(scope="module")
-def bundled(bundled_gguf):
-    return load_model(bundled_gguf, torch.float32)
+@pytest.fixture(scope="module", params=["float", "gguf-blocks"])
+def bundled(bundled_gguf, request):
+    """The model with float32 weights, and with the file's own blocks through tidal's kernels
+    (the default on CPU): the same model up to summation order, so the same tolerance holds."""
+    return load_model(bundled_gguf, torch.float32, gguf_blocks=request.param == "gguf-blocks")
 
 
 def test_tokenizer_matches_transformers(bundled_gguf):

@@ -27,7 +27,7 @@ def test_llm_generates_with_the_quantized_model(tiny_dir: Path) -> None:
     model = llm.engine.loaded.model
     # int4 keeps the LM head in int8 (tidal.quant.int4.quantize_head); the blocks are int4
     assert isinstance(model.lm_head, Int8Linear)
-    assert isinstance(model.model.layers[0].mlp.gate_proj, Int4Linear)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, Int4Linear)
     prompt = [1, 40, 41, 42, 43]
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)
@@ -38,5 +38,7 @@ def test_llm_generates_with_the_quantized_model(tiny_dir: Path) -> None:
 
 
 def test_config_rejects_unknown_scheme() -> None:
-    with pytest.raises(ValueError, match="quantization='int3' is invalid: expected one of none"):
+    with pytest.raises(
+        ValueError, match="quantization=.int3. is invalid: expected one of auto, none"
+    ):
         ModelConfig(quantization="int3")

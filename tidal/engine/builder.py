@@ -12,6 +12,7 @@ import torch
 from tidal.config.engine import EngineConfig
 from tidal.engine.core import EngineCore
 from tidal.engine.stats import StepStats
+from tidal.quant.registry import NATIVE_SCHEMES, gate_needed, resolve_scheme
 
 log = logging.getLogger("tidal.engine")
 
@@ -61,8 +62,9 @@ def build_engine(
     device = resolve_device(config)
     dtype = resolve_dtype(config.weight_dtype, device)
     path = model_path(config)
+    scheme = resolve_scheme(config.model.quantization, not Path(path).is_dir(), device.type)
     # Before loading: a refused mode fails in seconds (cached verdict) without holding two models.
-    check_quantization(config, path, progress)
+    check_quantization(config, path, progress, scheme)
     if progress:
         progress(f"loading {path} ({dtype}, {device})")
     from concurrent.futures import ThreadPoolExecutor
@@ -73,12 +75,18 @@ def build_engine(
     # The tokenizer (Rust, off the GIL) loads while torch dequantizes the weights.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(load_tokenizer, path, family)
-        loaded = load_model(path, dtype, device, weight_cache=config.model.weight_cache)
+        loaded = load_model(
+            path,
+            dtype,
+            device,
+            weight_cache=config.model.weight_cache,
+            gguf_blocks=scheme in NATIVE_SCHEMES,
+        )
         tokenizer = tokenizer_future.result()
-    if config.model.quantization != "none":
+    if scheme not in ("none", "gguf"):
         from tidal.quant.registry import quantize_model
 
-        summary = quantize_model(loaded.model, config.model.quantization)
+        summary = quantize_model(loaded.model, scheme)
         if progress:
             progress(
                 f"quantized {summary.num_linear} linear layers to {summary.scheme}: weights "
@@ -99,7 +107,10 @@ def build_engine(
 
 
 def check_quantization(
-    config: EngineConfig, path: str, progress: Callable[[str], None] | None = None
+    config: EngineConfig,
+    path: str,
+    progress: Callable[[str], None] | None = None,
+    scheme: str | None = None,
 ) -> None:
     """The start-up accuracy gate: when model.quantization or memory.kv_cache_dtype asks for fewer
     bits, measure perplexity against the float model (tidal.quant.gate) or reuse the verdict
@@ -108,8 +119,10 @@ def check_quantization(
     from tidal.quant.gate import GateFailed, heldout_text, mode_name, run_gate
     from tidal.quant.gate_cache import load_verdict, save_verdict, verdict_key, verdict_of
 
-    scheme, kv_dtype = config.model.quantization, config.cache.kv_cache_dtype
-    if scheme == "none" and kv_dtype == "auto":
+    if scheme is None:
+        scheme = resolve_scheme(config.model.quantization, not Path(path).is_dir(), "cpu")
+    kv_dtype = config.cache.kv_cache_dtype
+    if not gate_needed(scheme) and kv_dtype == "auto":
         return
     say = progress or log.info
     mode = mode_name(scheme, kv_dtype)

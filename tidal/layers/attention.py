@@ -7,6 +7,7 @@ from torch import nn
 
 from tidal.attention.cpu_paged import CpuPagedAttention
 from tidal.attention.metadata import AttentionMetadata
+from tidal.layers.linear import fuse_linears
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import apply_rotary
 from tidal.models.arch import ArchConfig
@@ -36,19 +37,33 @@ class SelfAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_dim, bias=arch.qkv_bias)
         self.v_proj = nn.Linear(hidden, kv_dim, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(q_dim, hidden, bias=False)
+        # Set by fuse_projections() once the weights are loaded (q/k/v keep HF names until then).
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes = (q_dim, kv_dim, kv_dim)
         gemma = arch.family == "gemma3"
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, gemma) if arch.qk_norm else None
         self.layer_type = arch.layer_types[layer_id]
         self.backend = CpuPagedAttention()  # the C kernel on CPU, the torch reference else
 
+    def fuse_projections(self) -> None:
+        """One q/k/v matmul per step instead of three, where the weight format allows it."""
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            del self.q_proj, self.k_proj, self.v_proj
+            self.qkv_proj = fused
+
     def forward(
         self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)  # column views
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin

@@ -87,20 +87,33 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     weight_cache: bool = True,
+    gguf_blocks: bool = False,
 ) -> LoadedModel:
     """Build the model on the meta device and assign the checkpoint's tensors, so peak memory stays
     near one copy of the weights.
 
-    With `weight_cache` a GGUF's tensors, once dequantized and renamed, are saved beside it
-    (tidal.loader.weight_cache) and later loads memory-map that file instead of dequantizing;
-    the tensors are bit-identical either way.
+    With `gguf_blocks` a GGUF's quantized matrices stay in the file's blocks (memory-mapped) and
+    run through tidal.quant.gguf_blocks; only the small float tensors (norms) are decoded.
+    Otherwise, with `weight_cache`, a GGUF's tensors, once dequantized and renamed, are saved
+    beside it (tidal.loader.weight_cache) and later loads memory-map that file instead of
+    dequantizing; the tensors are bit-identical either way.
     """
     start = time.perf_counter()
     p = Path(path)
     device = torch.device(device)
+    if gguf_blocks and (p.is_dir() or device.type != "cpu"):
+        where = "a HF directory" if p.is_dir() else f"device {device.type}"
+        raise ValueError(
+            f"quantization='gguf' is invalid for {where}: GGUF blocks run on CPU from a GGUF "
+            "file; expected quantization none, int8, int4 or fp8"
+        )
     arch, gguf_arch, freq_factors = _read_header(p)
     with torch.device("meta"):
         model = model_class(arch)(arch, kv_group_of_layers(arch))
+    if gguf_blocks:
+        assert gguf_arch is not None  # a file, checked above
+        state = _load_gguf_blocks(model, p, arch, gguf_arch, dtype)
+        return _finish(model, arch, p, dtype, device, state, freq_factors, start, "GGUF blocks")
     expected = dict(model.state_dict(keep_vars=True))
     use_cache = weight_cache and not p.is_dir()
     state: dict[str, torch.Tensor] | None = None
@@ -121,14 +134,32 @@ def load_model(
             save_weight_cache(p, dtype, key, state)
     elif device.type != "cpu":
         state = {name: t.to(device) for name, t in state.items()}
+    return _finish(model, arch, p, dtype, device, state, freq_factors, start, source)
+
+
+def _finish(
+    model: nn.Module,
+    arch: ArchConfig,
+    p: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    state: dict[str, torch.Tensor],
+    freq_factors: torch.Tensor | None,
+    start: float,
+    source: str,
+) -> LoadedModel:
+    """Assign the float tensors, tie the head, build rotary tables, fuse projections."""
     weights_s = time.perf_counter() - start
+    expected = dict(model.state_dict(keep_vars=True))
     missing = [
-        n for n in expected if n not in state and not (n == "lm_head.weight" and _tied(model))
+        n
+        for n, t in expected.items()
+        if t.is_meta and n not in state and not (n == "lm_head.weight" and _tied(model))
     ]
     if missing:
         raise ValueError(f"{p}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict(state, strict=False, assign=True)
-    if _tied(model):
+    if _tied(model) and isinstance(model.lm_head, nn.Linear):
         model.lm_head.weight = model.model.embed_tokens.weight
     for module in model.modules():  # non-persistent buffers are still on meta
         if isinstance(module, RotaryEmbedding):
@@ -137,6 +168,10 @@ def load_model(
                 inv_freq = inv_freq / freq_factors  # llama.cpp's form of Llama 3.1 rope scaling
             module.inv_freq = inv_freq.to(device)
     model.eval().requires_grad_(False)
+    for module in list(model.modules()):
+        fuse = getattr(module, "fuse_projections", None)
+        if fuse is not None:
+            fuse()
     load_time_s = time.perf_counter() - start
     log.info(
         "model loaded from %s in %.2f s (weights from the %s in %.2f s)",
@@ -146,6 +181,50 @@ def load_model(
         weights_s,
     )
     return LoadedModel(model, arch, p, dtype, device, load_time_s)
+
+
+def _load_gguf_blocks(
+    model: nn.Module, p: Path, arch: ArchConfig, gguf_arch: str, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Swap every linear and embedding whose GGUF tensor has a kernel-readable block type for a
+    module over the file's blocks; returns the remaining (float) tensors for load_state_dict."""
+    from tidal.loader.weights import iter_gguf_weights
+    from tidal.quant.gguf_blocks import GGUFEmbedding, GGUFLinear
+
+    modules = dict(model.named_modules())
+
+    def swappable(hf: str) -> bool:
+        owner = modules.get(hf.removesuffix(".weight"))
+        return hf.endswith(".weight") and isinstance(owner, nn.Linear | nn.Embedding)
+
+    expected = dict(model.state_dict(keep_vars=True))
+    state: dict[str, torch.Tensor] = {}
+    blocks = {}
+    for name, tensor in iter_gguf_weights(p, arch, gguf_arch, keep_blocks=swappable):
+        if name not in expected:
+            continue
+        want = tuple(expected[name].shape)
+        got = (tensor.rows, tensor.cols) if not isinstance(tensor, torch.Tensor) else tensor.shape
+        if tuple(got) != want:
+            raise ValueError(f"{p}: tensor {name} has shape {tuple(got)}, expected {want}")
+        if isinstance(tensor, torch.Tensor):
+            state[name] = tensor.to(dtype=dtype)
+        else:
+            blocks[name.removesuffix(".weight")] = tensor
+    if _tied(model):  # as _read_state: a tied model ignores any output.weight
+        state.pop("lm_head.weight", None)
+        blocks.pop("lm_head", None)
+        if "model.embed_tokens" in blocks:  # the head reads the embedding's blocks: one table
+            blocks["lm_head"] = blocks["model.embed_tokens"]
+    for path, weight in blocks.items():
+        parent_name, _, attr = path.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        if isinstance(modules[path], nn.Embedding):
+            setattr(parent, attr, GGUFEmbedding(weight, dtype))
+        else:
+            bias = state.pop(f"{path}.bias", None)
+            setattr(parent, attr, GGUFLinear([weight], bias, dtype))
+    return state
 
 
 def _read_state(

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tidal.models.arch import ArchConfig
+
+if TYPE_CHECKING:
+    from tidal.kernels.gguf_gemm import BlockWeight
 
 # llama.cpp tensor name -> HF name; "{}" is the layer index.
 _GGUF_LAYER_NAMES = {
@@ -68,20 +72,39 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    path: Path, arch: ArchConfig, gguf_arch: str
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every tensor of a GGUF file, in HF conventions."""
+    path: Path, arch: ArchConfig, gguf_arch: str, keep_blocks: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:
+    """Yield (HF name, float32 tensor) for every tensor of a GGUF file, in HF conventions.
+
+    Where `keep_blocks(hf_name)` is true and tidal's kernels read the tensor's block type, the
+    tensor comes as a BlockWeight over the file's own bytes instead (memory-mapped, not copied,
+    except Llama's Q/K rows, which are reordered)."""
+    from tidal.kernels.gguf_gemm import SUPPORTED_TYPES, BlockWeight
     from tidal.loader.gguf_file import GGUFFile
 
     with GGUFFile(path) as f:
-        for name in f.tensors:
+        for name, info in f.tensors.items():
             hf = gguf_to_hf_name(name, arch.family)
             if hf is None:
+                continue
+            permuted = gguf_arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight"))
+            if (
+                keep_blocks is not None
+                and len(info.shape) == 2
+                and int(info.ggml_type) in SUPPORTED_TYPES
+                and keep_blocks(hf)
+            ):
+                rows, cols = info.shape
+                blocks = torch.from_numpy(f.raw(name)).view(rows, -1)  # (rows, row_bytes)
+                if permuted:
+                    heads = arch.num_heads if "q_proj" in hf else arch.num_kv_heads
+                    blocks = unpermute_qk(blocks, heads).contiguous()
+                yield hf, BlockWeight(blocks, int(info.ggml_type), rows, cols)
                 continue
             t = f.load_tensor(name, torch.float32)
             if arch.family == "gemma3" and name.endswith("norm.weight"):
                 t = t - 1.0  # llama.cpp stores Gemma's norm weights with the +1 folded in
-            if gguf_arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            if permuted:
                 heads = arch.num_heads if "q_proj" in hf else arch.num_kv_heads
                 t = unpermute_qk(t, heads)
             yield hf, t

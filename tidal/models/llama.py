@@ -8,6 +8,7 @@ from torch import nn
 from tidal.attention.metadata import AttentionMetadata
 from tidal.layers.activation import activation
 from tidal.layers.attention import CosSin, KVCache, SelfAttention
+from tidal.layers.linear import fuse_linears
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.arch import ArchConfig
@@ -22,9 +23,22 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = activation(act)
+        self.intermediate = intermediate
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> None:
+        """One gate/up matmul per step instead of two, where the weight format allows it."""
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            del self.gate_proj, self.up_proj
+            self.gate_up_proj = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

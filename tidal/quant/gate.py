@@ -14,7 +14,13 @@ from torch import nn
 
 from tidal.kv.layout import KV_CACHE_DTYPES
 from tidal.models.arch import ArchConfig
-from tidal.quant.registry import SCHEMES, QuantSummary, check_scheme, quantize_model
+from tidal.quant.registry import (
+    NATIVE_SCHEMES,
+    SCHEMES,
+    QuantSummary,
+    check_scheme,
+    quantize_model,
+)
 
 HELDOUT_PATH = Path(__file__).with_name("heldout.txt")
 # Tokens fed to the model per forward pass inside one context chunk. 32 keeps every matmul on the
@@ -201,6 +207,9 @@ def run_gate(
         ids = ids[:max_tokens]
     context = context_tokens or min(loaded.arch.max_position_embeddings, 4096)
     ref = score_tokens(loaded.model, loaded.arch, ids, context)
+    if scheme in NATIVE_SCHEMES:  # the file's own blocks: a second load, the float one freed
+        del loaded
+        loaded = load_model(model_path, gguf_blocks=True)
     summary = quantize_model(loaded.model, scheme) if scheme != "none" else None
     quant = score_tokens(loaded.model, loaded.arch, ids, context, kv_cache_dtype=kv_cache_dtype)
     report = compare(ref, quant, mode_name(scheme, kv_cache_dtype), context, threshold_pct)
@@ -220,7 +229,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="perplexity and top-1 agreement of a quantized model vs float on held-out text",
     )
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled)")
-    p.add_argument("--quantization", default="none", choices=SCHEMES, help="weight format")
+    p.add_argument(
+        "--quantization",
+        default="none",
+        choices=[s for s in SCHEMES if s != "auto"],
+        help="weight format ('gguf': the file's blocks through tidal's kernels)",
+    )
     p.add_argument(
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache storage"
     )
@@ -238,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.quantization == "none" and args.kv_cache_dtype == "auto":
         raise ValueError(
-            "quantize-check needs --quantization int8|int4|fp8 or --kv-cache-dtype int8|fp8: "
+            "quantize-check needs --quantization gguf|gguf-q8|int8|int4|fp8 or --kv-cache-dtype "
+            "int8|fp8: "
             "with neither there is nothing to compare against the float model"
         )
     start = time.perf_counter()

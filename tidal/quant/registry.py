@@ -16,7 +16,11 @@ _SCHEME_MODULES = {
     "int4": "tidal.quant.int4",
     "fp8": "tidal.quant.fp8",
 }
-SCHEMES = ("none", *_SCHEME_MODULES)
+# Load-time schemes: a GGUF file's own blocks (tidal.quant.gguf_blocks), read by tidal's kernels
+# with float32 activations ("gguf": the same model, no gate) or int8 ones ("gguf-q8": gated).
+NATIVE_SCHEMES = ("gguf", "gguf-q8")
+# "auto": the file's blocks for a GGUF checkpoint on CPU, float weights otherwise.
+SCHEMES = ("auto", "none", *NATIVE_SCHEMES, *_SCHEME_MODULES)
 
 
 @dataclass(slots=True)
@@ -33,6 +37,25 @@ def check_scheme(scheme: str) -> str:
             f"quantization={scheme!r} is invalid: expected one of {', '.join(SCHEMES)}"
         )
     return scheme
+
+
+def resolve_scheme(scheme: str, is_gguf_file: bool, device_type: str) -> str:
+    """The scheme "auto" stands for here; a GGUF scheme on a checkpoint without blocks is refused."""
+    check_scheme(scheme)
+    if scheme == "auto":
+        return "gguf" if is_gguf_file and device_type == "cpu" else "none"
+    if scheme in NATIVE_SCHEMES and not (is_gguf_file and device_type == "cpu"):
+        where = f"device {device_type}" if is_gguf_file else "a checkpoint that is not a GGUF file"
+        raise ValueError(
+            f"quantization={scheme!r} is invalid for {where}: it runs a GGUF file's own blocks "
+            "on CPU; expected one of none, int8, int4, fp8"
+        )
+    return scheme
+
+
+def gate_needed(scheme: str) -> bool:
+    """Whether a scheme changes the model's numbers (so the accuracy gate must pass first)."""
+    return scheme not in ("auto", "none", "gguf")
 
 
 def weight_bytes(model: nn.Module) -> int:
@@ -57,8 +80,14 @@ def quantize_model(model: nn.Module, scheme: str) -> QuantSummary:
 
     check_scheme(scheme)
     before = weight_bytes(model)
-    if scheme == "none":
+    if scheme in ("none", "gguf"):
         return QuantSummary(scheme, 0, before, before)
+    if scheme == "gguf-q8":  # the model was loaded with load_model(..., gguf_blocks=True)
+        from tidal.quant.gguf_blocks import set_activations
+
+        return QuantSummary(scheme, set_activations(model, "q8"), before, before)
+    if scheme == "auto":
+        raise ValueError("quantization='auto' must be resolved first (resolve_scheme)")
     impl = importlib.import_module(_SCHEME_MODULES[scheme])
     inner = getattr(model, "model", None)
     embed = getattr(inner, "embed_tokens", None)

@@ -88,5 +88,10 @@ def _preimport(config: EngineConfig) -> None:
         # refs and dynamo lazily (seconds on a busy CPU): pay that here, not after a crash.
         with torch.device("meta"):
             model_class(arch)(arch, kv_group_of_layers(arch))
+        # The native kernels: built once per machine, loaded once per process.
+        from tidal.kernels import gguf_gemm, paged_attention
+
+        gguf_gemm.available()
+        paged_attention.available()
     except Exception as e:  # e.g. a model file that is missing now: the start will say so
         log.warning("standby could not pre-import everything: %s: %s", type(e).__name__, e)

@@ -1,0 +1,126 @@
+"""GGUF blocks as the weight format: the same model as the float load, at the file's bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.loader.test_weight_cache import write_tiny_quantized_gemma
+from tests.models.paged import paged_prefill_and_greedy
+from tidal.kernels.gguf_gemm import BlockWeight, gguf_gemm
+from tidal.layers.rotary import RotaryEmbedding
+from tidal.loader.gguf_file import GGUFFile
+from tidal.loader.model_loader import load_model
+from tidal.quant import gguf_blocks
+from tidal.quant.gguf_blocks import GGUFEmbedding, GGUFLinear
+from tidal.quant.registry import resolve_scheme, weight_bytes
+
+# Prompts long enough for prefill tiles (> F32_KERNEL_MAX_ROWS rows in one step) and decode steps.
+PROMPTS = [list(range(3, 43)), [9, 2, 40, 41, 60, 3, 8], [5, 17, 33]]
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gguf_blocks") / "tiny-q.gguf"
+    write_tiny_quantized_gemma(path)
+    return path
+
+
+def test_blocks_load_costs_the_files_bytes(tiny_gguf: Path) -> None:
+    loaded = load_model(tiny_gguf, gguf_blocks=True)
+    model = loaded.model
+    assert isinstance(model.model.embed_tokens, GGUFEmbedding)
+    assert isinstance(model.lm_head, GGUFLinear)
+    # The tied head reads the embedding's own blocks: one table.
+    assert model.lm_head.parts[0].blocks is model.model.embed_tokens.weight_blocks.blocks
+    layer = model.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, GGUFLinear)  # Q5_0, Q8_0, Q8_0 in one call
+    assert [p.ggml_type for p in layer.self_attn.qkv_proj.parts] == [6, 8, 8]
+    assert isinstance(layer.mlp.gate_up_proj, GGUFLinear)
+    assert not any(isinstance(m, nn.Linear | nn.Embedding) for m in model.modules())
+    with GGUFFile(tiny_gguf) as f:
+        file_bytes = sum(info.nbytes for info in f.tensors.values())
+    rotary = sum(m.inv_freq.nbytes for m in model.modules() if isinstance(m, RotaryEmbedding))
+    # Blocks are counted at the file's size; the norms are float32 in both.
+    assert weight_bytes(model) - rotary == file_bytes
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_blocks_match_the_float_model(tiny_gguf: Path, chunk: int | None) -> None:
+    ref = load_model(tiny_gguf, weight_cache=False)
+    ours = load_model(tiny_gguf, gguf_blocks=True)
+    ref_logits, ref_tokens = paged_prefill_and_greedy(ref.model, ref.arch, PROMPTS, 12, chunk)
+    logits, tokens = paged_prefill_and_greedy(ours.model, ours.arch, PROMPTS, 12, chunk)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        worst = (a - b).abs().max().item()
+        print(f"max |logit diff| {worst:.2e}")
+        assert worst < 1e-4
+
+
+def test_q8_activations_stay_close(tiny_gguf: Path) -> None:
+    ref = load_model(tiny_gguf, gguf_blocks=True)
+    ours = load_model(tiny_gguf, gguf_blocks=True)
+    assert gguf_blocks.set_activations(ours.model, "q8") == 1 + 4 * ours.arch.num_layers
+    ref_logits, _ = paged_prefill_and_greedy(ref.model, ref.arch, PROMPTS, 2)
+    logits, _ = paged_prefill_and_greedy(ours.model, ours.arch, PROMPTS, 2)
+    for a, b in zip(logits, ref_logits):
+        # int8 activations per block of 32: ~0.4% of each block's largest |x| per value
+        assert (a - b).abs().max().item() < 0.05 * b.abs().max().item()
+
+
+def _linear(tiny_gguf: Path, name: str) -> BlockWeight:
+    with GGUFFile(tiny_gguf) as f:
+        info = f.tensors[name]
+        raw = torch.from_numpy(f.raw(name).copy())
+        return BlockWeight.from_raw(raw, int(info.ggml_type), *info.shape)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 32, 33, 70])
+def test_kernel_and_tiled_paths_agree(tiny_gguf: Path, rows: int) -> None:
+    """The decode kernel and the prefill path (row tiles decoded for torch's matmul) compute the
+    same product; with a bias, and for parts of different block types side by side."""
+    parts = [_linear(tiny_gguf, "blk.0.attn_q.weight"), _linear(tiny_gguf, "blk.0.attn_k.weight")]
+    bias = torch.randn(sum(p.rows for p in parts))
+    layer = GGUFLinear(parts, bias, torch.float32)
+    x = torch.randn(rows, parts[0].cols)
+    w = layer.dequantize().double()
+    expected = (x.double() @ w.t() + bias.double()).float()
+    got = layer(x)
+    tiled = layer._tiled_matmul(x) + bias
+    kernel = gguf_gemm(x, parts) + bias
+    for y in (got, tiled, kernel):
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_keeps_columns_in_order(tiny_gguf: Path) -> None:
+    q = GGUFLinear([_linear(tiny_gguf, "blk.0.attn_q.weight")], None, torch.float32)
+    k = GGUFLinear([_linear(tiny_gguf, "blk.0.attn_k.weight")], torch.ones(128), torch.float32)
+    fused = GGUFLinear.fuse([q, k])
+    assert fused is not None and fused.out_features == q.out_features + k.out_features
+    x = torch.randn(4, q.in_features)
+    torch.testing.assert_close(fused(x), torch.cat([q(x), k(x)], dim=-1))
+    down = GGUFLinear([_linear(tiny_gguf, "blk.0.ffn_down.weight")], None, torch.float32)
+    assert GGUFLinear.fuse([q, down]) is None  # different input sizes stay apart
+
+
+def test_bad_activation_mode_is_refused(tiny_gguf: Path) -> None:
+    with pytest.raises(ValueError, match="act='int4' is invalid"):
+        GGUFLinear([_linear(tiny_gguf, "blk.0.attn_q.weight")], None, torch.float32, act="int4")
+
+
+def test_auto_scheme_and_refusals(tiny_gguf: Path, tmp_path: Path) -> None:
+    assert resolve_scheme("auto", True, "cpu") == "gguf"
+    assert resolve_scheme("auto", False, "cpu") == "none"
+    assert resolve_scheme("auto", True, "cuda") == "none"
+    assert resolve_scheme("int8", True, "cpu") == "int8"
+    with pytest.raises(ValueError, match="quantization='gguf' is invalid for a checkpoint"):
+        resolve_scheme("gguf", False, "cpu")
+    with pytest.raises(ValueError, match="quantization='gguf-q8' is invalid for device cuda"):
+        resolve_scheme("gguf-q8", True, "cuda")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="invalid for a HF directory"):
+        load_model(tmp_path, gguf_blocks=True)

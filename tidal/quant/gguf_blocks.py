@@ -1,0 +1,186 @@
+"""GGUF's own blocks as the in-memory weight format: `GGUFLinear` and the gathering `GGUFEmbedding`.
+
+A GGUF checkpoint's quantized matrices (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K) are kept as the file's
+packed blocks, memory-mapped where the loader can, and multiplied by tidal's C kernels
+(tidal/kernels/gguf_gemm.c) that read them directly, so the model costs the file's bytes.
+
+Two activation modes:
+- "f32": the kernel decodes weights in registers and multiplies float32 activations; the result is
+  the float32 matmul with the dequantized weights up to summation order (the same model).
+- "q8": activations are quantized per block of 32 to int8 first and the dot products are integer
+  (denser, faster for many rows); it changes numbers slightly, so it is gated like int8 weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidal.kernels.gguf_gemm import (
+    MAX_SEGMENTS,
+    SUPPORTED_TYPES,
+    BlockSegments,
+    BlockWeight,
+    dequantize_gather,
+    dequantize_rows,
+    gguf_gemm,
+)
+
+ACTIVATIONS = ("f32", "q8")
+# Rows of x up to which the kernel runs in "f32" mode; above it (prefill chunks) decoded row
+# tiles go to torch's float32 matmul (MKL/oneDNN), which is faster there. "q8" runs the kernel
+# for every batch: its integer dot products are the fast path for many rows too.
+F32_KERNEL_MAX_ROWS = 32
+# Decode at most this many weight values per tile of the prefill path (a few MiB of float32).
+TILE_VALUES = 1 << 20
+
+
+def supported(ggml_type: int) -> bool:
+    return int(ggml_type) in SUPPORTED_TYPES
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T (+ bias) with W kept in GGUF blocks; W may be several matrices side by side
+    (a fused q/k/v or gate/up projection whose parts can have different block types), which the
+    kernel runs in one call.
+
+    `act` is "f32" or "q8" (see the module docstring). Other devices and dtypes, and machines
+    without a C compiler, decode the blocks in torch and multiply in float32."""
+
+    def __init__(
+        self,
+        parts: list[BlockWeight],
+        bias: torch.Tensor | None,
+        out_dtype: torch.dtype,
+        act: str = "f32",
+    ) -> None:
+        super().__init__()
+        if not 1 <= len(parts) <= MAX_SEGMENTS:
+            raise ValueError(f"parts: {len(parts)} given; 1 to {MAX_SEGMENTS} accepted")
+        if len({p.cols for p in parts}) != 1:
+            raise ValueError(f"parts must share their input size; got {[p.cols for p in parts]}")
+        self.parts = BlockSegments(tuple(parts))  # prepared once: one kernel call per forward
+        self.in_features = parts[0].cols
+        self.out_features = sum(p.rows for p in parts)
+        self.out_dtype = out_dtype
+        self.act = act
+        # Registered so that .to(), weight_bytes() and state inspection see the block bytes.
+        for i, p in enumerate(parts):
+            self.register_buffer(f"blocks{i}", p.blocks, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    @property
+    def act(self) -> str:
+        return self._act
+
+    @act.setter
+    def act(self, value: str) -> None:
+        if value not in ACTIVATIONS:
+            raise ValueError(f"act={value!r} is invalid: expected one of {', '.join(ACTIVATIONS)}")
+        self._act = value
+
+    @classmethod
+    def fuse(cls, modules: list[nn.Module]) -> GGUFLinear | None:
+        """One module computing the given ones side by side, or None when they cannot be fused."""
+        if not all(isinstance(m, GGUFLinear) for m in modules):
+            return None
+        linears: list[GGUFLinear] = modules  # type: ignore[assignment]
+        parts = [p for m in linears for p in m.parts]
+        if len(parts) > MAX_SEGMENTS or len({m.act for m in linears}) != 1:
+            return None
+        if len({m.in_features for m in linears}) != 1:
+            return None
+        biases = [m.bias for m in linears]
+        if all(b is None for b in biases):
+            bias = None
+        else:
+            bias = torch.cat(
+                [torch.zeros(m.out_features) if b is None else b for m, b in zip(linears, biases)]
+            )
+        return cls(parts, bias, linears[0].out_dtype, linears[0].act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)  # (M, K)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        y = None
+        if self._act == "q8" or x2.shape[0] <= F32_KERNEL_MAX_ROWS:
+            y = gguf_gemm(x2, self.parts, self._act)
+        if y is None:
+            y = self._tiled_matmul(x2)
+        if self.bias is not None:
+            y += self.bias
+        if self.out_dtype != torch.float32:
+            y = y.to(self.out_dtype)
+        return y.view(*lead, self.out_features)
+
+    def _tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Decode row tiles of W to float32 and multiply with torch (MKL/oneDNN on CPU, which is
+        fastest for prefill-sized batches); the float copy stays a few MiB."""
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        step = max(1, TILE_VALUES // self.in_features)
+        col = 0
+        for part in self.parts:
+            for a in range(0, part.rows, step):
+                b = min(a + step, part.rows)
+                w = decode_rows(part, a, b).to(x.device)
+                torch.matmul(x, w.t(), out=out[:, col + a : col + b])
+            col += part.rows
+        return out
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (out, in) this module multiplies by."""
+        return torch.cat([decode_rows(p, 0, p.rows) for p in self.parts])
+
+    def extra_repr(self) -> str:
+        types = ",".join(str(int(p.ggml_type)) for p in self.parts)
+        return (
+            f"in={self.in_features}, out={self.out_features}, ggml_types={types}, "
+            f"act={self._act}, bias={self.bias is not None}"
+        )
+
+
+class GGUFEmbedding(nn.Module):
+    """Row lookup that decodes only the gathered rows of a GGUF block table (the tied LM head's
+    Q8_0 table for Gemma), so no float copy of a 262k-row vocabulary exists."""
+
+    def __init__(self, weight: BlockWeight, out_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight_blocks = weight
+        self.out_dtype = out_dtype
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = None
+        if flat.device.type == "cpu":
+            rows = dequantize_gather(self.weight_blocks, flat.long())
+        if rows is None:
+            rows = _torch_decode(self.weight_blocks.blocks[flat.cpu()], self.weight_blocks)
+            rows = rows.to(flat.device)
+        return rows.reshape(*ids.shape, -1).to(self.out_dtype)
+
+
+def decode_rows(weight: BlockWeight, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) as float32 (stop - start, cols): the C decoder, else torch's."""
+    rows = dequantize_rows(weight, start, stop)
+    if rows is None:
+        rows = _torch_decode(weight.blocks[start:stop], weight)
+    return rows
+
+
+def _torch_decode(blocks: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
+    from tidal.loader.gguf_quants import dequantize
+
+    return dequantize(blocks.contiguous(), weight.ggml_type, (blocks.shape[0], weight.cols))
+
+
+def set_activations(model: nn.Module, act: str) -> int:
+    """Switch every GGUFLinear of the model to activation mode `act`; returns how many."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, GGUFLinear):
+            module.act = act
+            count += 1
+    return count
