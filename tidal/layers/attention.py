@@ -7,6 +7,7 @@ from torch import nn
 
 from tidal.attention.cpu_paged import CpuPagedAttention
 from tidal.attention.metadata import AttentionMetadata
+from tidal.kernels.norm_rope import qk_norm_rope_
 from tidal.layers.linear import fuse_linears
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import apply_rotary
@@ -53,6 +54,22 @@ class SelfAttention(nn.Module):
             del self.q_proj, self.k_proj, self.v_proj
             self.qkv_proj = fused
 
+    def _norm_rope_in_place(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> bool:
+        """q/k norm and rotary as one C call on CPU float32 (q and k are this step's fresh
+        projections, so writing them in place is safe); False: the caller runs torch."""
+        if q.dtype != torch.float32 or q.device.type != "cpu":
+            return False
+        scale_q = scale_k = None
+        eps = 0.0
+        if self.q_norm is not None and self.k_norm is not None:
+            scale_q, scale_k = self.q_norm.float_scale(), self.k_norm.float_scale()
+            if scale_q is None or scale_k is None:
+                return False
+            eps = self.q_norm.eps
+        return qk_norm_rope_(q, k, scale_q, scale_k, eps, cos, sin)
+
     def forward(
         self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata, kv_cache: KVCache
     ) -> torch.Tensor:
@@ -64,10 +81,11 @@ class SelfAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if not self._norm_rope_in_place(q, k, cos, sin):
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.backend.forward(
             q,
             k,

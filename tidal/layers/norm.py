@@ -6,6 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tidal.kernels.norm_rope import rms_norm
+
 
 class RMSNorm(nn.Module):
     """Normalizes in float32. `gemma` scales by (1 + w) in float32 before casting back, as Gemma
@@ -28,9 +30,22 @@ class RMSNorm(nn.Module):
             self._scale_key = key
         return self._scale
 
+    def float_scale(self) -> torch.Tensor | None:
+        """The float32 factor applied after normalizing in float32 (Gemma's 1 + w, or w of a
+        float32 model), or None where the math needs a cast in between (Llama in bf16)."""
+        if self.gemma:
+            return self._gemma_scale()
+        return self.weight if self.weight.dtype == torch.float32 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused op where the result is the same (a decode step runs ~100 norms: per-op
-        # overhead matters): Gemma's float32 (1 + w), or Llama's w on a float32 model.
+        # A decode step runs ~100 norms, so per-op overhead matters: one C call on CPU float32
+        # (torch's rms_norm is ~8 ops there), else one fused torch op where the result is the
+        # same: Gemma's float32 (1 + w), or Llama's w on a float32 model.
+        if x.dtype == torch.float32 and x.device.type == "cpu":
+            scale = self.float_scale()
+            out = None if scale is None else rms_norm(x, scale, self.eps)
+            if out is not None:
+                return out
         if self.gemma:
             normed = F.rms_norm(x.float(), self.weight.shape, self._gemma_scale(), self.eps)
             return normed.to(x.dtype)
