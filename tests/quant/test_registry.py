@@ -78,6 +78,8 @@ def test_none_and_unknown(tiny: Path) -> None:
     loaded = load_model(tiny)
     before = weight_bytes(loaded.model)
     assert quantize_model(loaded.model, "none").weight_bytes_after == before
-    assert SCHEMES == ("none", "int8", "int4", "fp8")
-    with pytest.raises(ValueError, match="quantization='q2' is invalid: expected one of none"):
+    assert SCHEMES == ("auto", "none", "gguf", "gguf-q8", "int8", "int4", "fp8")
+    with pytest.raises(ValueError, match="quantization='q2' is invalid: expected one of auto"):
         quantize_model(loaded.model, "q2")
+    with pytest.raises(ValueError, match="quantization='auto' must be resolved first"):
+        quantize_model(loaded.model, "auto")
