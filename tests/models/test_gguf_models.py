@@ -55,7 +55,8 @@ def _gguf_name(hf: str, family: str) -> str | None:
     return f"blk.{layer}.{short}.{kind}"
 
 
-def write_gguf(hf_model, family: str, arch: str, path) -> None:
+def write_gguf(hf_model, family: str, arch: str, path, matrix_type: str = "F16") -> None:
+    """`matrix_type` "F16" or "Q8_0": how the 2-D tensors are stored."""
     import gguf
 
     cfg = hf_model.config
@@ -86,7 +87,12 @@ def write_gguf(hf_model, family: str, arch: str, path) -> None:
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             a = _permute(a, heads)
-        w.add_tensor(gname, a.astype(np.float16) if a.ndim == 2 else a)
+        if a.ndim == 2 and matrix_type == "Q8_0":
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            data = gguf.quants.quantize(a, q8)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=q8)
+        else:
+            w.add_tensor(gname, a.astype(np.float16) if a.ndim == 2 else a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -146,3 +152,22 @@ def test_tiny_gguf_matches_transformers(tmp_path, family, arch):
         print(f"{family} gguf max|diff|={diff:.2e}")
         assert diff < 1e-4
         assert out == gen
+
+
+@pytest.mark.parametrize("family,arch", [("gemma3", "gemma3"), ("llama", "llama")])
+def test_tiny_gguf_blocks_match_the_float_load(tmp_path, family, arch):
+    """Q8_0 matrices kept as the file's blocks (the CPU default) against the same file decoded to
+    float: Llama's permuted Q/K block rows, an untied output.weight, the tied Gemma head."""
+    from tidal.quant.gguf_blocks import GGUFLinear
+
+    path = tmp_path / f"tiny-{family}-q8_0.gguf"
+    write_gguf(_hf_model(family), family, arch, path, matrix_type="Q8_0")
+    ref = load_model(path, torch.float32, weight_cache=False)
+    ours = load_model(path, torch.float32, gguf_blocks=True)
+    assert isinstance(ours.model.lm_head, GGUFLinear)
+    assert isinstance(ours.model.model.layers[0].self_attn.qkv_proj, GGUFLinear)
+    ref_logits, ref_outs = paged_prefill_and_greedy(ref.model, ref.arch, PROMPTS, max_new=12)
+    logits, outs = paged_prefill_and_greedy(ours.model, ours.arch, PROMPTS, max_new=12)
+    assert outs == ref_outs
+    for a, b in zip(logits, ref_logits):
+        assert (a - b).abs().max().item() < 1e-4
