@@ -19,7 +19,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tidal.quant.registry import SCHEMES
+from tidal.quant.registry import NATIVE_SCHEMES, SCHEMES
+
+# Every scheme a table can measure: "auto" only stands for one of them.
+TABLE_SCHEMES = tuple(s for s in SCHEMES if s != "auto")
 
 
 def _scores(path: str, scheme: str, ids: list[int], context: int):
@@ -27,7 +30,8 @@ def _scores(path: str, scheme: str, ids: list[int], context: int):
     from tidal.quant.gate import score_tokens
     from tidal.quant.registry import quantize_model, weight_bytes
 
-    loaded = load_model(path)
+    # The GGUF schemes run the file's own blocks: a load of their own, not a swap of float weights.
+    loaded = load_model(path, gguf_blocks=scheme in NATIVE_SCHEMES)
     if scheme != "none":
         quantize_model(loaded.model, scheme)
     scores = score_tokens(loaded.model, loaded.arch, ids, context)
@@ -139,7 +143,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="python -m tidal.bench.quant_table", description=__doc__)
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled)")
-    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated")
+    p.add_argument("--schemes", default=",".join(TABLE_SCHEMES), help="comma-separated")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--decode-batches", type=_int_list, default=(1, 8, 32))
@@ -151,9 +155,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--markdown", type=Path, default=None)
     args = p.parse_args(argv)
     args.schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
-    bad = [s for s in args.schemes if s not in SCHEMES]
+    bad = [s for s in args.schemes if s not in TABLE_SCHEMES]
     if bad or not args.schemes:
-        p.error(f"--schemes={','.join(bad) or '(empty)'} is invalid: expected {', '.join(SCHEMES)}")
+        expected = ", ".join(TABLE_SCHEMES)
+        p.error(f"--schemes={','.join(bad) or '(empty)'} is invalid: expected {expected}")
     if args.decode_tokens < 2:
         p.error(f"--decode-tokens={args.decode_tokens} is invalid: expected an integer >= 2")
     return args
