@@ -334,6 +334,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads for both systems")
     p.add_argument("--repetitions", type=int, default=d.repetitions)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens,
+                   help="the pp measure's prompt length (e.g. 6000 for a long document)")  # fmt: skip
     p.add_argument("--llama-bin-dir", default=None,
                    help="where llama-bench and llama-batched-bench are (default: tidal's cache)")  # fmt: skip
     p.add_argument("--tidal-arg", action="append", default=None, metavar="KEY=VALUE",
@@ -350,11 +352,11 @@ def run(args: argparse.Namespace) -> int:
     """`tidal bench kernels`: llama.cpp's two benches, then tidal's, on one GGUF; one report."""
     from tidal.bench.report import machine_info, write_markdown
 
-    for name in ("threads", "repetitions", "profile_steps"):
+    for name in ("threads", "repetitions", "profile_steps", "prompt_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name}={getattr(args, name)} is invalid: expected an integer >= 1")
     cfg = KernelsConfig(threads=args.threads, repetitions=args.repetitions, seed=args.seed,
-                        profile_steps=args.profile_steps)  # fmt: skip
+                        profile_steps=args.profile_steps, prompt_tokens=args.prompt_tokens)  # fmt: skip
     tidal_args = parse_tidal_args(args.tidal_arg or ())
     if args.model:
         gguf = Path(args.model)
