@@ -29,14 +29,25 @@ def cache_dir() -> Path:
     return Path(base) / "kernels"
 
 
-def _cpu_model() -> str:
+def _cpuinfo_field(name: str) -> str | None:
+    """The first `name` line of /proc/cpuinfo (Linux), or None."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return "unknown"
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo_field("model name") or "unknown"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (avx2, fma, avx512f, ...); empty where /proc/cpuinfo is absent.
+    Kernels pick their paths from these and from what their library was compiled with."""
+    return frozenset((_cpuinfo_field("flags") or "").split())
 
 
 def _compiler() -> str | None:

@@ -7,11 +7,10 @@ import functools
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from tidal.kernels.build import load
+from tidal.kernels.build import cpu_flags, load
 
 # ggml type numbers as in tidal.loader.gguf_file.GGMLType (an IntEnum: its members work here;
 # kernels/ sits below loader/ in the layering, hence plain ints): name, elements, bytes per block.
@@ -166,16 +165,6 @@ def available() -> bool:
     return _library() is not None
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 @functools.cache
 def isas() -> list[str]:
     """The kernel paths this machine runs, best first, "scalar" last ([] without the library)."""
@@ -183,7 +172,7 @@ def isas() -> list[str]:
     if lib is None:
         return []
     found = []
-    if lib.tidal_gguf_has_avx2() and {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if lib.tidal_gguf_has_avx2() and {"avx2", "fma", "f16c"} <= cpu_flags():
         found.append("avx2")
     return [*found, "scalar"]
 
