@@ -15,7 +15,8 @@
  *                      are bits 4-5 of q[l+32t]                                  v = d*sc_{i/16}*(q-32)
  *
  * act F32: weights are decoded in registers and meet float32 x in FMAs: the float32 matmul with
- *   the dequantized weights, up to summation order.
+ *   the dequantized weights, up to summation order (a 32-block's d, and Q6_K's d*sc per 16 values,
+ *   multiply the partial sum of their values' q * x).
  * act Q8: each row of x is quantized once per call, to int8 with a float scale per 32 values for
  *   the 32-blocks, per 256 with the sums of every 16 codes (ggml's Q8_K) for the K-quants; dot
  *   products run on integer SIMD (AVX2 maddubs/madd) as in ggml-cpu: slightly different numbers.
@@ -412,26 +413,88 @@ ALWAYS void b32_q8_step(int type, const uint8_t *blk, const uint8_t *x, int64_t 
 B32_BODY(b32_f32_avx2, b32_f32_step)
 B32_BODY(b32_q8_avx2, b32_q8_step)
 
-ALWAYS void k_f32_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,
-                       int mt, float *out) {
-    _Alignas(32) kblock k;
-    __m256 acc0[MT], acc1[MT]; /* lanes 0-7 and 8-15 of every 16 values: two FMA chains */
-    EACH_ROW(i) acc0[i] = acc1[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        k_decode_avx2(type, w + b * block_bytes(type), &k, 1);
-        for (int g = 0; g < 16; g++) { /* 16 values share a scale and a min */
-            __m256 s = _mm256_broadcast_ss(k.fs + g), m = _mm256_broadcast_ss(k.fm + g);
-            __m128i qv = _mm_load_si128((const __m128i *)(k.q + 16 * g));
-            __m256 w0 = _mm256_fmsub_ps(u8x8_ps(qv), s, m);
-            __m256 w1 = _mm256_fmsub_ps(u8x8_ps(_mm_srli_si128(qv, 8)), s, m);
-            EACH_ROW(i) {
-                const float *xr = (const float *)(x + i * ldx) + 256 * b + 16 * g;
-                acc0[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc0[i]);
-                acc1[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc1[i]);
+/* One super-block for R (<= K_ROWS) rows of x. Q6_K: each 16 values' scale comes out of their sum,
+ * as the 32-block types' d does: sum (q - 32) * x, then * d*sc (one FMA-unit op per 8 values less).
+ * Q4_K/Q5_K: each weight decoded as fmsub(q, d*sc, dmin*m) (taking the min out of the sum would
+ * trade cancellation for speed). Per row two FMA chains that start afresh in each block
+ * (sub-block / group t feeds chain t % 2) are added as c0 + c1 into the row's accumulator: a
+ * block's chains do not wait on the previous block's, and every tiling runs this same sequence per
+ * row (bit-exact whatever M or the row's tile). Rows go K_ROWS at a time so that their chains stay
+ * in registers while each converted weight vector is reused. */
+#define K_ROWS 4
+enum { W_CONVERT, W_STORE, W_LOAD }; /* a tile taller than K_ROWS converts once, then reloads */
+ALWAYS void k_f32_rows(int type, const kblock *k, float *wf, int wmode, const uint8_t *x,
+                       int64_t ldx, int64_t b, int R, __m256 *acc) {
+    __m256 c[K_ROWS][2];
+    if (type == T_Q6_K) { /* k->q holds q - 32 as int8 here */
+        _Pragma("GCC unroll 16") for (int t = 0; t < 16; t++) {
+            __m256 s = _mm256_broadcast_ss(k->fs + t);
+            __m256 w0, w1;
+            if (wmode == W_LOAD) {
+                w0 = _mm256_load_ps(wf + 16 * t);
+                w1 = _mm256_load_ps(wf + 16 * t + 8);
+            } else {
+                w0 = i8x8_ps(_mm_loadl_epi64((const __m128i *)(k->q + 16 * t)));
+                w1 = i8x8_ps(_mm_loadl_epi64((const __m128i *)(k->q + 16 * t + 8)));
+                if (wmode == W_STORE) {
+                    _mm256_store_ps(wf + 16 * t, w0);
+                    _mm256_store_ps(wf + 16 * t + 8, w1);
+                }
+            }
+            for (int r = 0; r < R; r++) {
+                const float *xr = (const float *)(x + r * ldx) + 256 * b + 16 * t;
+                __m256 g = _mm256_mul_ps(w0, _mm256_loadu_ps(xr));
+                g = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), g);
+                c[r][t % 2] = t < 2 ? _mm256_mul_ps(g, s) : _mm256_fmadd_ps(g, s, c[r][t % 2]);
+            }
+        }
+    } else { /* each weight decoded to float (one fmsub), group g of 8 values feeds chain g % 2 */
+        _Pragma("GCC unroll 32") for (int g = 0; g < 32; g++) {
+            __m256 wv;
+            if (wmode == W_LOAD) {
+                wv = _mm256_load_ps(wf + 8 * g);
+            } else {
+                __m256 s = _mm256_broadcast_ss(k->fs + g / 2);
+                __m256 q = u8x8_ps(_mm_loadl_epi64((const __m128i *)(k->q + 8 * g)));
+                wv = _mm256_fmsub_ps(q, s, _mm256_broadcast_ss(k->fm + g / 2));
+                if (wmode == W_STORE) _mm256_store_ps(wf + 8 * g, wv);
+            }
+            for (int r = 0; r < R; r++) {
+                __m256 xv = _mm256_loadu_ps((const float *)(x + r * ldx) + 256 * b + 8 * g);
+                c[r][g % 2] = g < 2 ? _mm256_mul_ps(wv, xv) : _mm256_fmadd_ps(wv, xv, c[r][g % 2]);
             }
         }
     }
-    EACH_ROW(i) out[i] = hsum8(_mm256_add_ps(acc0[i], acc1[i]));
+    for (int r = 0; r < R; r++) acc[r] = _mm256_add_ps(acc[r], _mm256_add_ps(c[r][0], c[r][1]));
+}
+
+ALWAYS void k_f32_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,
+                       int mt, float *out) {
+    _Alignas(32) kblock k;
+    _Alignas(32) float wf[256];
+    __m256 acc[MT];
+    EACH_ROW(i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        k_decode_avx2(type, w + b * block_bytes(type), &k, 1);
+        if (type == T_Q6_K)
+            for (int i = 0; i < 8; i++) {
+                __m256i *q = (__m256i *)k.q + i;
+                __m256i v = _mm256_load_si256(q);
+                _mm256_store_si256(q, _mm256_sub_epi8(v, _mm256_set1_epi8(32)));
+            }
+        int r = 0;
+        if (mt > K_ROWS) {
+            k_f32_rows(type, &k, wf, W_STORE, x, ldx, b, K_ROWS, acc);
+            r = K_ROWS;
+        }
+        int wm = r ? W_LOAD : W_CONVERT;
+        for (; r + K_ROWS <= mt; r += K_ROWS)
+            k_f32_rows(type, &k, wf, wm, x + r * ldx, ldx, b, K_ROWS, acc + r);
+        if (mt - r == 3) k_f32_rows(type, &k, wf, wm, x + r * ldx, ldx, b, 3, acc + r);
+        if (mt - r == 2) k_f32_rows(type, &k, wf, wm, x + r * ldx, ldx, b, 2, acc + r);
+        if (mt - r == 1) k_f32_rows(type, &k, wf, wm, x + r * ldx, ldx, b, 1, acc + r);
+    }
+    EACH_ROW(i) out[i] = hsum8(acc[i]);
 }
 
 ALWAYS void k_q8_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,
