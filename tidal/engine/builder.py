@@ -109,18 +109,16 @@ def build_engine(
 def check_quantization(
     config: EngineConfig,
     path: str,
-    progress: Callable[[str], None] | None = None,
-    scheme: str | None = None,
+    progress: Callable[[str], None] | None,
+    scheme: str,
 ) -> None:
-    """The start-up accuracy gate: when model.quantization or memory.kv_cache_dtype asks for fewer
-    bits, measure perplexity against the float model (tidal.quant.gate) or reuse the verdict
-    stored beside the model, log it, and raise GateFailed (a ValueError) when it fails, unless
+    """The start-up accuracy gate: when `scheme` (model.quantization, resolved) changes numbers or
+    memory.kv_cache_dtype asks for fewer bits, measure perplexity against the float model
+    (tidal.quant.gate) or reuse the verdict stored beside the model, log it, and raise GateFailed (a ValueError) when it fails, unless
     memory.force_quantization. memory.quantization_gate false skips all of it."""
     from tidal.quant.gate import GateFailed, heldout_text, mode_name, run_gate
     from tidal.quant.gate_cache import load_verdict, save_verdict, verdict_key, verdict_of
 
-    if scheme is None:
-        scheme = resolve_scheme(config.model.quantization, not Path(path).is_dir(), "cpu")
     kv_dtype = config.cache.kv_cache_dtype
     if not gate_needed(scheme) and kv_dtype == "auto":
         return
