@@ -26,7 +26,10 @@ _STATS = StepStats(
     num_decode_seqs=1, num_prefill_seqs=1, num_running=2, num_waiting=3, num_preempted=0,
     num_preemptions_total=1, kv_usage=0.25, num_free_blocks=12, prefix_queried_tokens=5,
     prefix_hit_tokens=4, prefix_queried_tokens_total=50, prefix_hit_tokens_total=40,
-    evictions_by_reason=(("lru", 2), ("ttl", 0)), step_time_s=0.012,
+    evictions_by_reason=(("lru", 2), ("ttl", 0)), step_time_s=0.012, seat_utilization=2 / 32,
+    seat_cap=32, prefill_budget=6, budget_reason="tpot", predicted_step_s=0.011,
+    num_prefill_tokens=6, attended_keys=40, cost_coefficients=(0.01, 0.001, 0.004, 0.0005),
+    headroom=0.9,
 )  # fmt: skip
 _OUTPUT = RequestOutput(
     request_id="cmpl-1-0",

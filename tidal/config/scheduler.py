@@ -1,4 +1,4 @@
-"""SchedulerConfig: how many sequences and tokens one step may hold, and the queue policy."""
+"""SchedulerConfig: how many sequences and tokens one step may hold, the latency targets, and the queue policy."""
 
 from __future__ import annotations
 
@@ -9,10 +9,22 @@ from tidal.config._check import check
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    # Most sequences in one step's batch.
+    # Most sequences in one step's batch (with target_tpot_ms, the upper bound of the seat cap).
     max_num_seqs: int = 32
-    # Token budget of one step (decodes count 1 each; prefill chunks fill the rest).
+    # With target_tpot_ms, the seat cap never goes below this many sequences.
+    min_num_seqs: int = 1
+    # Most tokens one step may hold (decodes count 1 each; prefill chunks fill the rest). Without
+    # a target on a GPU this is every step's budget; otherwise it is the ceiling of the budget.
     max_num_batched_tokens: int = 1024
+    # Aim each decode step at this time per output token: the batch controller sizes every step's
+    # prefill budget and the running-sequence cap from the learned step cost model. None: no target.
+    target_tpot_ms: float | None = None
+    # Raise the prefill share when a request waiting for its first token would miss this. None: none.
+    target_ttft_ms: float | None = None
+    # Without target_tpot_ms on a CPU: the budget is the prefill that fits a step of this length
+    # (a fixed 1024-token chunk takes ~1.7 s there and stalls every decode beside it). None: the
+    # fixed max_num_batched_tokens.
+    cpu_budget_step_ms: float | None = 300.0
     # Split prompts longer than the remaining budget across steps, mixed with decodes.
     enable_chunked_prefill: bool = True
     # Waiting requests beyond this are rejected (finish reason "rejected"); None is unbounded.
@@ -27,6 +39,11 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
+        check(1 <= self.min_num_seqs <= self.max_num_seqs, "min_num_seqs", self.min_num_seqs, f"an integer in [1, max_num_seqs={self.max_num_seqs}]")
+        for name in ("target_tpot_ms", "target_ttft_ms", "cpu_budget_step_ms"):
+            value = getattr(self, name)
+            # `not > 0` also refuses NaN, which no measured time would ever compare above.
+            check(value is None or value > 0, name, value, "a positive number of milliseconds or None")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1")
         check(self.max_queue is None or self.max_queue >= 1, "max_queue", self.max_queue, "an integer >= 1 or None")
         check(self.window_ms >= 0, "window_ms", self.window_ms, "a number >= 0")

@@ -72,7 +72,8 @@ class EngineCore:
         )
         self.num_blocks = num_blocks_for_budget(self.layout, self._kv_budget_bytes(loaded.device))
         self.kv = KVCacheManager(self.layout, self.num_blocks, config.cache, clock)
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, clock)
+        on_cpu = loaded.device.type == "cpu"
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, clock, on_cpu=on_cpu)
         self.runner = ModelRunner(loaded, self.layout, self.num_blocks, kv_dtype)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(arch.eos_token_ids)
         self._parents: dict[str, _Parent] = {}
@@ -199,9 +200,9 @@ class EngineCore:
         for parent in touched.values():
             if parent.finished:
                 self._forget(parent)
-        self.last_stats = StepStats.from_step(
-            self.scheduler.stats, sched, time.perf_counter() - start, self.kv
-        )
+        step_s = time.perf_counter() - start
+        self.scheduler.record_step(sched, step_s)
+        self.last_stats = StepStats.from_step(self.scheduler.stats, sched, step_s, self.kv)
         if self.on_step is not None:
             self.on_step(self.last_stats)
         return outputs

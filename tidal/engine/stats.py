@@ -15,6 +15,14 @@ class StepStats:
     token_budget: int
     # scheduled / budget: how full the step's token budget was (the seeds' batch-utilization monitor).
     batch_utilization: float
+    # running / seat cap: how full the step's sequence seats were (a decode-only step fills few
+    # tokens of its budget yet may hold every seat).
+    seat_utilization: float
+    # The batch controller's plan: the running-sequence cap, the prefill share of the budget,
+    # and why ("fixed", "auto", "tpot", "ttft"; see scheduler/controller.py).
+    seat_cap: int
+    prefill_budget: int
+    budget_reason: str
     num_scheduled_seqs: int
     num_decode_seqs: int
     num_prefill_seqs: int
@@ -30,6 +38,14 @@ class StepStats:
     prefix_hit_tokens_total: int
     evictions_by_reason: tuple[tuple[str, int], ...]
     step_time_s: float
+    # The cost model's prediction of this step's time, and its features (scheduler/cost_model.py).
+    predicted_step_s: float
+    num_prefill_tokens: int
+    attended_keys: int
+    # The cost model's coefficients (seconds per unit, cost_model.TERMS order) this step was planned with.
+    cost_coefficients: tuple[float, ...]
+    # The controller's headroom (its hysteresis state; 1.0 unless a TPOT target corrected it).
+    headroom: float
 
     @staticmethod
     def from_step(
@@ -40,6 +56,10 @@ class StepStats:
             num_scheduled_tokens=sched.num_batched_tokens,
             token_budget=s.token_budget,
             batch_utilization=min(1.0, sched.num_batched_tokens / budget),
+            seat_utilization=min(1.0, s.num_running / max(1, s.seat_cap)),
+            seat_cap=s.seat_cap,
+            prefill_budget=s.prefill_budget,
+            budget_reason=s.budget_reason,
             num_scheduled_seqs=s.num_scheduled_seqs,
             num_decode_seqs=s.num_decode_seqs,
             num_prefill_seqs=s.num_prefill_seqs,
@@ -55,4 +75,9 @@ class StepStats:
             prefix_hit_tokens_total=kv.prefix_hit_tokens,
             evictions_by_reason=tuple(sorted(kv.evictions_by_reason.items())),
             step_time_s=step_time_s,
+            predicted_step_s=s.predicted_step_s,
+            num_prefill_tokens=s.num_prefill_tokens,
+            attended_keys=s.attended_keys,
+            cost_coefficients=s.cost_coefficients,
+            headroom=s.headroom,
         )

@@ -66,6 +66,19 @@ class WaitingQueue:
         """Waiting requests in insertion order (for deadline sweeps)."""
         return [e.request for e in self._entries.values()]
 
+    def uncached(self, request_id: str) -> int:
+        return self._entries[request_id].uncached_tokens
+
+    def head_outranks(
+        self, request: Request, enqueued_s: float, seq: int, uncached_tokens: int, now_s: float
+    ) -> bool:
+        """Whether some waiting request comes before `request` were it waiting with these
+        figures (its remaining prefill as its length)."""
+        if not self._entries:
+            return False
+        mine = self.key(_Entry(request, enqueued_s, seq, uncached_tokens), now_s)
+        return any(self.key(e, now_s) < mine for e in self._entries.values())
+
     def uncached_tokens(self) -> int:
         return sum(e.uncached_tokens for e in self._entries.values())
 

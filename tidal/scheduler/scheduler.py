@@ -9,6 +9,8 @@ from tidal.config.cache import CacheConfig
 from tidal.config.scheduler import SchedulerConfig
 from tidal.engine.request import Request, RequestStatus
 from tidal.kv.manager import KVCacheManager
+from tidal.scheduler.controller import MIN_PREFILL_TOKENS, BatchController, StepLoad, StepPlan
+from tidal.scheduler.cost_model import StepShape, chunk_attended_keys
 from tidal.scheduler.output import ScheduledRequest, SchedulerOutput
 from tidal.scheduler.queue import WaitingQueue
 from tidal.scheduler.stats import SchedulerStats
@@ -31,8 +33,14 @@ class Scheduler:
         cache_config: CacheConfig,
         kv: KVCacheManager,
         clock: Callable[[], float] = time.monotonic,
+        on_cpu: bool = False,
+        controller: BatchController | None = None,
     ) -> None:
         self.config = config
+        # Sets each step's token budget and seat cap; "fixed" (max_num_batched_tokens and
+        # max_num_seqs, as configured) unless a target is set or on_cpu picks the auto budget.
+        self.controller = controller or BatchController(config, on_cpu)
+        self.plan = self.controller.plan(StepLoad(0, 0, 0))
         self.cache_config = cache_config
         self.kv = kv
         self._clock = clock
@@ -140,8 +148,15 @@ class Scheduler:
         """Decide this step's batch; see the block comment for the policy."""
         # Core idea: one step of continuous batching, counted in tokens and blocks.
         #  0. Drop cached blocks idle past their TTL; finish requests whose deadline passed.
-        #  1. Running requests first, oldest first: each gets its uncomputed tokens (1 for a
-        #     decode, the next chunk of an unfinished prefill) capped by the remaining budget.
+        #     The batch controller plans this step: token budget = every decode + the prefill
+        #     tokens that fit the time target (BatchController), and the seat cap.
+        #  1. Running requests first, decodes then prefills, each oldest first: each gets its
+        #     uncomputed tokens (1 for a decode, the next chunk of an unfinished prefill) capped
+        #     by the remaining budget.
+        #     While a waiting request outranks a running prefill (WaitingQueue order: priority,
+        #     then length aged by waiting time) and a seat is free, that prefill's chunk is capped
+        #     at half the prefill budget, so a long prompt cannot take every step from short
+        #     ones; as it ages it outranks newcomers and the cap lifts (no starvation).
         #     When its blocks do not fit, preempt the lowest-priority, newest running request not
         #     yet scheduled this step (possibly itself: it waits for the others to finish) and
         #     retry. A request that is alone and still does not fit can never fit: FINISHED_ERROR.
@@ -158,20 +173,28 @@ class Scheduler:
         now = self._clock()
         self.kv.evict_expired()
         queried0, hits0 = self.kv.prefix_queried_tokens, self.kv.prefix_hit_tokens
-        out = SchedulerOutput(token_budget=self.config.max_num_batched_tokens)
+        out = SchedulerOutput()
         out.finished.extend(self._finished_pending)
         self._finished_pending = []
         self._expire_deadlines(now, out)
+        plan = self.plan = self.controller.plan(self._load(now))
+        out.token_budget = plan.token_budget
 
-        budget = self.config.max_num_batched_tokens
+        budget = plan.token_budget
+        chunk_cap = max(MIN_PREFILL_TOKENS, plan.prefill_tokens // 2)
         scheduled: list[ScheduledRequest] = []
         scheduled_ids: set[str] = set()
-        for request in list(self._running):
+        # Decodes before prefill chunks (each group oldest first): the budget counted every
+        # decode in, and an older request's chunk must not take a decode's token.
+        ordered = sorted(self._running, key=lambda r: r.num_uncomputed_tokens != 1)
+        for request in ordered:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted or failed earlier in this loop
             if budget <= 0:
                 break
             num_new = self._chunk(request.num_uncomputed_tokens, budget)
+            if num_new > chunk_cap and self._outranked(request, now):
+                num_new = chunk_cap
             if num_new <= 0:
                 continue
             tables = self._allocate_running(request, num_new, scheduled_ids, out)
@@ -191,6 +214,7 @@ class Scheduler:
         decodes = [s for s in scheduled if _is_decode(s)]
         out.scheduled = decodes + [s for s in scheduled if not _is_decode(s)]
         out.num_batched_tokens = sum(s.num_tokens for s in scheduled)
+        shape = _shape(out)
         self.stats = SchedulerStats(
             num_scheduled_tokens=out.num_batched_tokens,
             token_budget=out.token_budget,
@@ -207,8 +231,55 @@ class Scheduler:
             prefix_hit_tokens=self.kv.prefix_hit_tokens - hits0,
             hold_until_s=hold_until_s,
             num_preemptions_total=self.num_preemptions_total,
+            seat_cap=plan.max_num_seqs,
+            prefill_budget=plan.prefill_tokens,
+            budget_reason=plan.reason,
+            num_prefill_tokens=shape.num_prefill_tokens,
+            attended_keys=shape.attended_keys,
+            predicted_step_s=self.controller.model.predict_s(shape),
+            cost_coefficients=tuple(self.controller.model.coefficients),
+            headroom=self.controller.headroom,
         )
         return out
+
+    def record_step(self, output: SchedulerOutput, step_s: float) -> None:
+        """Feed the measured time of the step `output` described to the batch controller."""
+        if output.is_empty:
+            return  # bookkeeping-only steps say nothing about compute cost
+        plan = self.plan
+        seats_full = len(self._running) >= plan.max_num_seqs and len(self._waiting) > 0
+        filled = output.num_batched_tokens >= plan.token_budget or seats_full
+        self.controller.observe(_shape(output), step_s, plan, filled)
+
+    def _load(self, now: float) -> StepLoad:
+        """The controller's view of the work before this step is built."""
+        decodes = [r for r in self._running if r.num_uncomputed_tokens == 1]
+        prefills = [r for r in self._running if r.num_uncomputed_tokens > 1]
+        pending: list[tuple[float, int]] = []
+        if self.config.target_ttft_ms is not None:
+            for r in self._running:
+                if r.first_token_time_s is None:
+                    pending.append((now - self._enqueued_s[r.request_id], r.num_uncomputed_tokens))
+            for r in self._waiting.ordered(now):
+                waited_s = now - self._enqueued_s[r.request_id]
+                pending.append((waited_s, self._waiting.uncached(r.request_id)))
+        return StepLoad(
+            num_decodes=len(decodes),
+            decode_keys=sum(r.num_computed_tokens + 1 for r in decodes),
+            num_running=len(self._running),
+            prefill_start=prefills[0].num_computed_tokens if prefills else 0,
+            pending_first_tokens=tuple(pending),
+        )
+
+    def _outranked(self, request: Request, now: float) -> bool:
+        """Whether a waiting request would be admitted before this running prefill, with a seat
+        free for it (the chunk cap of step 1)."""
+        if not len(self._waiting) or len(self._running) >= self.plan.max_num_seqs:
+            return False
+        rid = request.request_id
+        return self._waiting.head_outranks(
+            request, self._enqueued_s[rid], self._seq[rid], request.num_uncomputed_tokens, now
+        )
 
     def _chunk(self, num_uncomputed: int, budget: int) -> int:
         """Tokens of a prefill that fit this step; 0 means it must wait (chunking off)."""
@@ -217,7 +288,7 @@ class Scheduler:
         if num_uncomputed <= budget:
             return num_uncomputed
         # Longer than the whole budget: it can only ever run alone, in a step of its own.
-        alone = not self._running and budget == self.config.max_num_batched_tokens
+        alone = not self._running and budget == self.plan.token_budget
         return num_uncomputed if alone else 0
 
     def _allocate_running(
@@ -255,9 +326,9 @@ class Scheduler:
         """With window_ms, the clock time until which idle-engine prefills wait to gather more."""
         if self.config.window_ms <= 0 or self._running:
             return None
-        if len(self._waiting) >= self.config.max_num_seqs:
+        if len(self._waiting) >= self.plan.max_num_seqs:
             return None
-        if self._waiting.uncached_tokens() >= self.config.max_num_batched_tokens:
+        if self._waiting.uncached_tokens() >= self.plan.token_budget:
             return None
         oldest_s = self._waiting.oldest_enqueued_s()
         assert oldest_s is not None  # only called with requests waiting
@@ -268,7 +339,7 @@ class Scheduler:
         self, now: float, budget: int, scheduled: list[ScheduledRequest], out: SchedulerOutput
     ) -> None:
         for request in self._waiting.ordered(now):
-            if len(self._running) >= self.config.max_num_seqs or budget <= 0:
+            if len(self._running) >= self.plan.max_num_seqs or budget <= 0:
                 break
             num_cached = self.kv.get_computed_blocks(request)
             num_new = self._chunk(request.num_tokens - num_cached, budget)
@@ -328,3 +399,15 @@ def _is_decode(scheduled: ScheduledRequest) -> bool:
         and scheduled.start >= request.num_prompt_tokens
         and scheduled.sample
     )
+
+
+def _shape(output: SchedulerOutput) -> StepShape:
+    """The step's features for the cost model."""
+    prefill_tokens = decodes = keys = 0
+    for s in output.scheduled:
+        keys += chunk_attended_keys(s.start, s.num_tokens)
+        if _is_decode(s):
+            decodes += 1
+        else:
+            prefill_tokens += s.num_tokens
+    return StepShape(prefill_tokens, decodes, keys)

@@ -25,3 +25,14 @@ class SchedulerStats:
     # Set when window_ms held back the prefills this step: the clock time to schedule again.
     hold_until_s: float | None = None
     num_preemptions_total: int = 0
+    # The batch controller's plan for this step (see scheduler/controller.py).
+    seat_cap: int = 0
+    prefill_budget: int = 0
+    budget_reason: str = "fixed"
+    # This step's shape as the cost model sees it, and the model's prediction of its time.
+    num_prefill_tokens: int = 0
+    attended_keys: int = 0
+    predicted_step_s: float = 0.0
+    # The cost model's coefficients in cost_model.TERMS order, and the controller's headroom.
+    cost_coefficients: tuple[float, ...] = ()
+    headroom: float = 1.0

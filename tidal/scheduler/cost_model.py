@@ -1,0 +1,151 @@
+"""StepCostModel: step time predicted from a step's shape, fitted online to the steps this engine ran."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+# Coefficient names, in the order of StepShape.features(): what each one second-count multiplies.
+TERMS = ("base", "per_prefill_token", "per_decode_seq", "per_1k_attended_keys")
+# Before any step is measured: the bundled Gemma 3 270M on a 2-core AVX2 CPU (a decode step of one
+# sequence ~23 ms, a 512-token prefill ~0.85 s). Only the first steps see these; a GPU or another
+# model replaces them within a few steps.
+PRIOR_S = (0.015, 0.0015, 0.004, 0.0005)
+# How much a prior coefficient weighs in the fit, in steps of typical size (ridge regression):
+# enough to keep terms the recent steps do not vary (all decode-only, say) near the prior.
+PRIOR_WEIGHT_STEPS = 0.1
+# The typical size of each feature, which puts the prior's weight on the features' own scale.
+_TYPICAL = (1.0, 256.0, 8.0, 64.0)
+_UNBOUNDED = 1 << 30  # "no limit from time": the token ceiling decides
+
+
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What a step computes, in the units the cost model fits."""
+
+    num_prefill_tokens: int  # tokens of prefill chunks (not decodes)
+    num_decode_seqs: int  # sequences computing one token from existing KV
+    attended_keys: int  # sum over every computed query of the keys it attends to
+
+    def features(self) -> tuple[float, float, float, float]:
+        p, d = float(self.num_prefill_tokens), float(self.num_decode_seqs)
+        return (1.0, p, d, self.attended_keys / 1000)
+
+
+def chunk_attended_keys(start: int, num_tokens: int) -> int:
+    """Keys attended by queries start .. start + num_tokens - 1 under a causal mask.
+
+    Query at position q attends q + 1 keys, so the chunk attends
+        sum_{q=start}^{start+n-1} (q + 1) = n * start + n * (n + 1) / 2
+    (sliding-window layers attend fewer; the fit absorbs that into the coefficient).
+    """
+    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
+
+
+class StepCostModel:
+    """Least squares over a sliding window of recent steps, newer steps weighing more.
+
+        step_s ~= base + per_prefill_token * P + per_decode_seq * D + per_1k_attended_keys * A/1000
+
+    Each step's weight is decay ** age (age 0 for the newest), so after a shift in step cost
+    (another process on the CPU) the new steps outweigh the old ones within a few steps; a ridge
+    term pulls each coefficient toward the prior so a window that never varies a feature still
+    gives that feature a sane cost. Coefficients are kept >= 0 (a negative cost per token would
+    make "more tokens" look free). Deterministic: the same observations give the same fit.
+    """
+
+    def __init__(
+        self,
+        prior_s: tuple[float, float, float, float] = PRIOR_S,
+        window: int = 64,
+        decay: float = 0.85,
+    ) -> None:
+        if window < 1 or not 0.0 < decay <= 1.0:
+            raise ValueError(f"window={window}, decay={decay} is invalid: expected >= 1 and (0, 1]")
+        self.prior_s = prior_s
+        self.decay = decay
+        self._steps: deque[tuple[tuple[float, ...], float]] = deque(maxlen=window)
+        self.coefficients: tuple[float, ...] = prior_s
+        self.num_observed = 0
+
+    def observe(self, shape: StepShape, step_s: float) -> None:
+        """Add one measured step and refit (a 4x4 solve: microseconds)."""
+        if not (step_s >= 0.0 and math.isfinite(step_s)):
+            return  # a clock glitch must not poison the fit
+        self._steps.append((shape.features(), step_s))
+        self.num_observed += 1
+        self.coefficients = self._fit()
+
+    def predict_s(self, shape: StepShape) -> float:
+        return sum(c * x for c, x in zip(self.coefficients, shape.features()))
+
+    def prefill_tokens_within(
+        self, seconds: float, num_decode_seqs: int, decode_keys: int, prefix_tokens: int = 0
+    ) -> int:
+        """The most prefill tokens a step with these decodes can add and stay within `seconds`.
+
+        A chunk of n tokens after `prefix_tokens` cached ones attends n * prefix + n^2 / 2 keys
+        (chunk_attended_keys), so the cost is quadratic in n: solve a n^2 + b n + c <= 0.
+        """
+        base = self.predict_s(StepShape(0, num_decode_seqs, decode_keys))
+        room = seconds - base
+        per_token = self.coefficients[1] + self.coefficients[3] * (prefix_tokens + 0.5) / 1000
+        quad = self.coefficients[3] / 2000
+        if room <= 0:
+            return 0
+        if quad <= 0:
+            return _UNBOUNDED if per_token <= 0 else min(_UNBOUNDED, int(room / per_token))
+        return int((-per_token + math.sqrt(per_token * per_token + 4 * quad * room)) / (2 * quad))
+
+    # ---- the fit ------------------------------------------------------------------------------
+
+    def _fit(self) -> tuple[float, ...]:
+        n = len(TERMS)
+        active = list(range(n))
+        while True:
+            coef = self._solve(active)
+            negative = [i for i in active if coef[i] < 0]
+            if not negative:
+                return tuple(coef)
+            # Drop the most negative term (cost 0) and refit the rest: a tiny active-set NNLS.
+            active.remove(min(negative, key=lambda i: coef[i]))
+
+    def _solve(self, active: list[int]) -> list[float]:
+        """Weighted ridge normal equations over the active terms; inactive terms are 0."""
+        m = len(active)
+        ata = [[0.0] * m for _ in range(m)]
+        aty = [0.0] * m
+        weight = 1.0
+        for x, y in reversed(self._steps):  # newest first
+            for a, i in enumerate(active):
+                aty[a] += weight * x[i] * y
+                for b, j in enumerate(active):
+                    ata[a][b] += weight * x[i] * x[j]
+            weight *= self.decay
+        for a, i in enumerate(active):
+            ridge = PRIOR_WEIGHT_STEPS * _TYPICAL[i] ** 2
+            ata[a][a] += ridge
+            aty[a] += ridge * self.prior_s[i]
+        solved = _gauss(ata, aty)
+        coef = [0.0] * len(TERMS)
+        for a, i in enumerate(active):
+            coef[i] = solved[a]
+        return coef
+
+
+def _gauss(a: list[list[float]], b: list[float]) -> list[float]:
+    """Solve a x = b (a symmetric positive definite: the ridge term guarantees it)."""
+    n = len(b)
+    m = [row[:] + [b[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(col + 1, n):
+            f = m[r][col] / m[col][col]
+            for c in range(col, n + 1):
+                m[r][c] -= f * m[col][c]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][c] * x[c] for c in range(r + 1, n))) / m[r][r]
+    return x
