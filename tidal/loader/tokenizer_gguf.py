@@ -12,13 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
 from tidal.loader.gguf_file import GGUFFile
+from tidal.loader.tokenizer_pre import (
+    PreTokenizerRule,
+    build_normalizer,
+    build_pre_tokenizer,
+    pre_tokenizer_rule,
+)
 
 # Bump when the built tokenizer or the cached fields change, so old caches are rebuilt.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 CACHE_SUFFIX = ".tokenizer.json"
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
@@ -30,28 +36,6 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
     5,
     6,
 )
-
-# Pre-tokenizer split patterns by `tokenizer.ggml.pre`; they decide which byte spans BPE may merge.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-BPE_PRE_SPLITS: dict[str, str] = {
-    "llama3": _LLAMA3_SPLIT,
-    "llama-v3": _LLAMA3_SPLIT,
-    "llama-bpe": _LLAMA3_SPLIT,
-    "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT,
-    "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-# Llama 3's own tokenizer emits a pre-token whole when it is in the vocabulary (llama.cpp does too).
-_IGNORE_MERGES_PRES = frozenset({"llama3", "llama-v3", "llama-bpe", "smaug-bpe"})
-# Pre types that mean "GPT-2's own split", the ByteLevel pre-tokenizer's built-in regex.
-_GPT2_PRES = frozenset({"default", "gpt-2", "gpt2"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,19 +60,23 @@ def build_gguf_tokenizer(gguf: GGUFFile) -> tuple[Tokenizer, GGUFTokenizerInfo]:
         raise ValueError(f"{gguf.path}: metadata tokenizer.ggml.tokens is missing or empty")
     types = _int_array(meta.get("tokenizer.ggml.token_type"), len(tokens), TOKEN_NORMAL)
     arch = str(meta.get("general.architecture", ""))
+    default_add_bos = (
+        model == "llama"
+    )  # llama.cpp adds BOS to SentencePiece vocabs unless told not to
     if model == "llama":
         tok, vocab = _build_sentencepiece(meta, tokens, arch)
     elif model == "gpt2":
-        tok, vocab = _build_byte_level(meta, tokens, types, gguf.path)
+        pre = str(meta.get("tokenizer.ggml.pre", "default"))
+        rule = pre_tokenizer_rule(pre, f"{gguf.path}: tokenizer.ggml.pre")
+        tok, vocab = _build_bpe(meta, tokens, types, gguf.path, rule)
+        if rule.add_bos is not None:
+            default_add_bos = rule.add_bos
     else:
         raise ValueError(
             f"{gguf.path}: tokenizer.ggml.model is {model!r}; supported: 'llama' (SentencePiece BPE), "
             "'gpt2' (byte-level BPE)"
         )
     _add_special_tokens(tok, vocab, tokens, types)
-    default_add_bos = (
-        model == "llama"
-    )  # llama.cpp adds BOS to SentencePiece vocabs unless told not to
     info = GGUFTokenizerInfo(
         architecture=arch,
         tokenizer_model=str(model),
@@ -223,19 +211,23 @@ def _byte_alphabet() -> dict[int, str]:
     return table
 
 
-def _build_byte_level(
-    meta: dict[str, Any], tokens: list[str], types: np.ndarray, path: Path
+def _build_bpe(
+    meta: dict[str, Any], tokens: list[str], types: np.ndarray, path: Path, rule: PreTokenizerRule
 ) -> tuple[Tokenizer, dict[str, int]]:
-    table = _byte_alphabet()
-    alphabet = set(table.values())
-    spelled = []
-    for token, token_type in zip(tokens, types, strict=True):
-        if token_type == TOKEN_CONTROL or set(token) <= alphabet:
-            spelled.append(token)
-        else:
-            # A normal token written in plain UTF-8 instead of the byte alphabet: respell it.
-            raw = token.encode("utf-8", errors="surrogateescape")
-            spelled.append("".join(table[b] for b in raw))
+    """A `tokenizer.ggml.model == "gpt2"` vocabulary: BPE over the pieces `rule` splits text into."""
+    if rule.byte_level:
+        table = _byte_alphabet()
+        alphabet = set(table.values())
+        spelled = []
+        for token, token_type in zip(tokens, types, strict=True):
+            if token_type == TOKEN_CONTROL or set(token) <= alphabet:
+                spelled.append(token)
+            else:
+                # A normal token written in plain UTF-8 instead of the byte alphabet: respell it.
+                raw = token.encode("utf-8", errors="surrogateescape")
+                spelled.append("".join(table[b] for b in raw))
+    else:
+        spelled = list(tokens)
     vocab = {t: i for i, t in enumerate(spelled)}
     raw_merges = meta.get("tokenizer.ggml.merges")
     if raw_merges is not None:
@@ -255,25 +247,24 @@ def _build_byte_level(
             else -np.arange(len(spelled), dtype=np.float64)
         )
         merges = _merges_from_vocab(spelled, vocab, ranks)
-    pre = str(meta.get("tokenizer.ggml.pre", "default"))
     tok = Tokenizer(
-        BPE(vocab=vocab, merges=merges, dropout=None, ignore_merges=pre in _IGNORE_MERGES_PRES)
+        BPE(
+            vocab=vocab,
+            merges=merges,
+            dropout=None,
+            ignore_merges=rule.ignore_merges,
+            byte_fallback=not rule.byte_level,
+        )
     )
-    split = BPE_PRE_SPLITS.get(pre)
-    if split is not None:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    elif pre in _GPT2_PRES:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    normalizer = build_normalizer(rule)
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = build_pre_tokenizer(rule)
+    if rule.byte_level:
+        tok.decoder = decoders.ByteLevel()
     else:
-        raise ValueError(
-            f"{path}: tokenizer.ggml.pre is {pre!r}; supported: {sorted(set(BPE_PRE_SPLITS) | _GPT2_PRES)}"
-        )
-    tok.decoder = decoders.ByteLevel()
+        steps = [decoders.Replace("\u2581", " ")] if rule.escape_spaces else []
+        tok.decoder = decoders.Sequence([*steps, decoders.ByteFallback(), decoders.Fuse()])
     return tok, vocab
 
 
