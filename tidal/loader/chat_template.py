@@ -1,4 +1,10 @@
-"""Renders chat templates (the checkpoint's or a built-in one per family) in a sandboxed jinja2 environment."""
+"""Renders chat templates (the checkpoint's or a built-in one per family) in a sandboxed jinja2 environment.
+
+The environment is transformers' (`apply_chat_template`): trim_blocks and lstrip_blocks, loop
+controls, the `{% generation %}` block, `raise_exception`, `strftime_now`, a `tojson` that keeps
+non-ASCII text and does not HTML-escape; `tools` and `documents` are always defined (None when not
+given) and special tokens only when the checkpoint has them, so `is defined` tests read the same.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,8 @@ from datetime import datetime
 from typing import Any
 
 import jinja2
-from jinja2.ext import loopcontrols
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -98,6 +105,23 @@ def builtin_chat_template(family: str) -> str:
     return template
 
 
+def choose_named_template(
+    default: str | None, named: Mapping[str, str], name: str | None, has_tools: bool
+) -> str | None:
+    """Which of a checkpoint's templates renders a request, by transformers' rule.
+
+    An explicit `name` wins; else "tool_use" when tools are given and the checkpoint has one; else
+    the default template. A `name` that is not one of the checkpoint's is template text itself.
+    """
+    if name is not None:
+        if name == "default" and default is not None:
+            return default
+        return named.get(name, name)
+    if has_tools and "tool_use" in named:
+        return named["tool_use"]
+    return default
+
+
 def select_chat_template(value: Any, name: str = "default") -> str | None:
     """The template text from a tokenizer_config `chat_template` (a string or a list of named ones)."""
     if value is None or isinstance(value, str):
@@ -135,9 +159,20 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise ValueError(f"messages[{i}].role is {role!r}; accepted roles: {', '.join(ROLES)}")
         normalized = dict(msg)
-        normalized["content"] = _content_text(msg.get("content"), i)
+        if msg.get("content") is None and role == "assistant" and msg.get("tool_calls"):
+            normalized["content"] = None  # OpenAI: an assistant turn that only calls tools
+        else:
+            normalized["content"] = _content_text(msg.get("content"), i)
+        reasoning = next((msg[k] for k in _REASONING_FIELDS if msg.get(k) is not None), None)
+        if reasoning is not None:
+            # Templates read a turn's reasoning under one of these names (as transformers aliases).
+            normalized.setdefault("thinking", reasoning)
+            normalized["reasoning_content"] = reasoning
         out.append(normalized)
     return out
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -169,21 +204,38 @@ def render_chat_template(
     add_generation_prompt: bool = True,
     bos_token: str | None = None,
     eos_token: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, Any]] | None = None,
     **extra: Any,
 ) -> str:
-    """Render `messages` with `template` as transformers' apply_chat_template(tokenize=False) does."""
+    """Render `messages` with `template` as transformers' apply_chat_template(tokenize=False) does.
+
+    Special tokens (`bos_token`, `eos_token`, and `unk_token`/`pad_token` through `extra`) that are
+    None stay undefined in the template, as in transformers. Raises ValueError carrying the
+    template's own message when it rejects the messages (`raise_exception`) or fails on them.
+    """
     compiled = _compile(template)
+    special = {"bos_token": bos_token, "eos_token": eos_token}
+    for key in ("unk_token", "pad_token"):
+        special[key] = extra.pop(key, None)
+    context = {k: v for k, v in special.items() if v is not None}
+    context.update(extra)  # explicit keyword arguments override special tokens, as in transformers
     try:
         return compiled.render(
             messages=normalize_messages(messages),
+            tools=tools,
+            documents=documents,
             add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token or "",
-            eos_token=eos_token or "",
-            **extra,
+            **context,
         )
     except jinja2.TemplateError as exc:
-        # raise_exception() in a template and type errors inside it are the caller's bad input.
+        # raise_exception() in a template and undefined names inside it are the caller's bad input.
         raise ValueError(f"chat template rejected the messages: {exc}") from exc
+    except (TypeError, KeyError, IndexError, AttributeError, ZeroDivisionError) as exc:
+        # A template computing on a message of an unexpected shape, e.g. concatenating None.
+        raise ValueError(
+            f"chat template failed on the messages: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _raise_exception(message: str) -> None:
@@ -207,10 +259,25 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationBlock(Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks in
+    transformers; rendering only needs its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
 @functools.lru_cache(maxsize=32)
 def _compile(template: str) -> jinja2.Template:
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, loopcontrols]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ import tokenizers
 
 from tidal.loader.chat_template import (
     builtin_chat_template,
+    choose_named_template,
     render_chat_template,
     select_chat_template,
 )
@@ -52,14 +53,17 @@ class Tokenizer:
         eos_token_id: int | None,
         pad_token_id: int | None,
         add_bos_token: bool,
+        unk_token_id: int | None = None,
         extra_eos_token_ids: Sequence[int] = (),
         chat_template: str | None = None,
+        named_chat_templates: Mapping[str, str] | None = None,
         family: str | None = None,
     ) -> None:
         self.hf = hf
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
         self.add_bos_token = add_bos_token and bos_token_id is not None
         self.family = family
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
@@ -73,14 +77,15 @@ class Tokenizer:
         special.update(i for i in (bos_token_id, eos_token_id, pad_token_id) if i is not None)
         self.all_special_ids = frozenset(special)
         self.chat_template = chat_template
+        self.named_chat_templates = dict(named_chat_templates or {})
 
     @property
     def bos_token(self) -> str | None:
-        return None if self.bos_token_id is None else self.hf.id_to_token(self.bos_token_id)
+        return self._token(self.bos_token_id)
 
     @property
     def eos_token(self) -> str | None:
-        return None if self.eos_token_id is None else self.hf.id_to_token(self.eos_token_id)
+        return self._token(self.eos_token_id)
 
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)
@@ -112,22 +117,44 @@ class Tokenizer:
         return out
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **extra: Any,
     ) -> str:
-        """The prompt text for `messages`; encode it with add_special_tokens=False."""
-        if self.chat_template is None:
+        """The prompt text for `messages`; encode it with add_special_tokens=False.
+
+        `chat_template` names one of the checkpoint's templates (or is template text); by default
+        the "tool_use" variant renders requests with tools when the checkpoint has one.
+        """
+        template = choose_named_template(
+            self.chat_template, self.named_chat_templates, chat_template, tools is not None
+        )
+        if template is None:
             raise ValueError(
                 "this checkpoint has no chat template and its chat family is unknown; "
                 f"pass family= one of {sorted(END_OF_TURN_TOKENS)} to load_tokenizer"
             )
+        special = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "unk_token": self._token(self.unk_token_id),
+            "pad_token": self._token(self.pad_token_id),
+        }
+        # Keyword arguments override the checkpoint's special tokens, as in transformers.
         return render_chat_template(
-            self.chat_template,
+            template,
             messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token,
-            eos_token=self.eos_token,
-            **extra,
+            tools=tools,
+            **{**special, **extra},
         )
+
+    def _token(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.hf.id_to_token(token_id)
 
     def __repr__(self) -> str:
         return (
@@ -162,7 +189,9 @@ def _load_gguf(path: Path, family: str | None) -> Tokenizer:
         eos_token_id=info.eos_token_id,
         pad_token_id=info.pad_token_id,
         add_bos_token=info.add_bos_token,
+        unk_token_id=info.unk_token_id,
         chat_template=template,
+        named_chat_templates=info.named_chat_templates,
         family=fam,
     )
 
@@ -211,6 +240,7 @@ def _load_hf_dir(root: Path, family: str | None) -> Tokenizer:
         eos_token_id=eos,
         pad_token_id=pad,
         add_bos_token=bool(add_bos),
+        unk_token_id=_unk_id(hf, tcfg.get("unk_token")),
         extra_eos_token_ids=gen_eos,
         chat_template=template,
         family=fam,
@@ -274,3 +304,9 @@ def _id_list(value: Any) -> list[int]:
 def _first_id(value: Any) -> int | None:
     ids = _id_list(value)
     return ids[0] if ids else None
+
+
+def _unk_id(hf: tokenizers.Tokenizer, value: Any) -> int | None:
+    if isinstance(value, dict):  # older configs store an AddedToken dict
+        value = value.get("content")
+    return None if value is None else hf.token_to_id(str(value))

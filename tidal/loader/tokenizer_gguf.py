@@ -7,7 +7,7 @@ import json
 import os
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,9 @@ from tidal.loader.tokenizer_pre import (
 )
 
 # Bump when the built tokenizer or the cached fields change, so old caches are rebuilt.
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3
 CACHE_SUFFIX = ".tokenizer.json"
+_NAMED_TEMPLATE_PREFIX = "tokenizer.chat_template."
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TOKEN_BYTE = (
@@ -49,6 +50,9 @@ class GGUFTokenizerInfo:
     pad_token_id: int | None
     add_bos_token: bool
     chat_template: str | None
+    unk_token_id: int | None = None
+    # Named variants (`tokenizer.chat_template.<name>`, e.g. "tool_use"), name -> template.
+    named_chat_templates: dict[str, str] = field(default_factory=dict)
 
 
 def build_gguf_tokenizer(gguf: GGUFFile) -> tuple[Tokenizer, GGUFTokenizerInfo]:
@@ -85,6 +89,12 @@ def build_gguf_tokenizer(gguf: GGUFFile) -> tuple[Tokenizer, GGUFTokenizerInfo]:
         pad_token_id=_opt_int(meta.get("tokenizer.ggml.padding_token_id")),
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", default_add_bos)),
         chat_template=meta.get("tokenizer.chat_template"),
+        unk_token_id=_opt_int(meta.get("tokenizer.ggml.unknown_token_id")),
+        named_chat_templates={
+            key.removeprefix(_NAMED_TEMPLATE_PREFIX): value
+            for key, value in meta.items()
+            if key.startswith(_NAMED_TEMPLATE_PREFIX) and isinstance(value, str)
+        },
     )
     return tok, info
 
