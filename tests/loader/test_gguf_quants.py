@@ -25,6 +25,11 @@ FP16_FIELDS: dict[GGMLType, tuple[int, ...]] = {
     GGMLType.Q4_K: (0, 2),
     GGMLType.Q5_K: (0, 2),
     GGMLType.Q6_K: (208,),
+    GGMLType.IQ4_NL: (0,),
+    GGMLType.IQ4_XS: (0,),
+    GGMLType.TQ1_0: (52,),
+    GGMLType.TQ2_0: (64,),
+    GGMLType.MXFP4: (),  # its one-byte E8M0 exponent is finite for every byte
 }
 QUANTIZABLE = (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q8_0)
 
@@ -163,3 +168,35 @@ def test_bundled_one_tensor_per_type() -> None:
             full = f.load_tensor(name) if num_rows == rows else None
             if full is not None:
                 assert torch.equal(full, ours)
+
+
+def test_types_without_a_block_kernel_load_as_float_in_block_mode(tmp_path) -> None:
+    """A GGUF's IQ4 matrices load in the native-block mode too: the kernels read Q8_0 (a block
+    weight), the IQ4 tensors come out dequantized to float32 (exactly gguf's values)."""
+    from types import SimpleNamespace
+
+    from tidal.kernels.gguf_gemm import SUPPORTED_TYPES, BlockWeight
+    from tidal.loader.weights import iter_gguf_weights
+
+    tensors = {
+        "blk.0.ffn_up.weight": (GGMLType.IQ4_NL, 4, 64),
+        "blk.0.ffn_down.weight": (GGMLType.IQ4_XS, 2, 256),
+        "blk.0.ffn_gate.weight": (GGMLType.Q8_0, 4, 64),
+    }
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen2")
+    packed = {}
+    for name, (ggml_type, rows, cols) in tensors.items():
+        blocks = _random_blocks(ggml_type, rows, cols, seed=rows + cols)
+        qtype = gguf.GGMLQuantizationType(int(ggml_type))
+        writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
+        packed[name] = gguf.quants.dequantize(blocks, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    arch = SimpleNamespace(family="qwen2")
+    loaded = dict(iter_gguf_weights(tmp_path / "m.gguf", arch, "qwen2", keep_blocks=lambda _: True))
+    assert int(GGMLType.IQ4_NL) not in SUPPORTED_TYPES  # else this test checks nothing
+    assert isinstance(loaded["model.layers.0.mlp.gate_proj.weight"], BlockWeight)
+    _check(loaded["model.layers.0.mlp.up_proj.weight"], packed["blk.0.ffn_up.weight"], "IQ4_NL")
+    _check(loaded["model.layers.0.mlp.down_proj.weight"], packed["blk.0.ffn_down.weight"], "IQ4_XS")

@@ -287,6 +287,94 @@ def _dequant_q8_k(blocks: torch.Tensor) -> torch.Tensor:
     return _f32(blocks[:, 0:4]) * blocks[:, 4:260].contiguous().view(torch.int8).float()
 
 
+# ---------------------------------------------------------------- non-linear and ternary codes
+
+# IQ4's 16 levels: a 4-bit code indexes this table instead of being used as a number.
+_IQ4_LEVELS = torch.tensor(
+    [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=torch.float32
+)
+# MXFP4's e2m1 values, doubled to integers (the scale below is halved to match).
+_MXFP4_LEVELS = torch.tensor(
+    [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32
+)
+
+
+def _dequant_iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
+    # IQ4_NL, 18 bytes -> 32 values, laid out as Q4_0:
+    #   [0:2]   d    fp16 scale
+    #   [2:18]  qs   16 bytes; byte j holds code j (low nibble) and code j+16 (high nibble)
+    #   value = d * LEVELS[code]
+    return _f16(blocks[:, 0:2]) * _IQ4_LEVELS[_nibbles(blocks[:, 2:18]).long()]
+
+
+def _dequant_iq4_xs(blocks: torch.Tensor) -> torch.Tensor:
+    # IQ4_XS, 136 bytes -> 256 values in 8 sub-blocks of 32:
+    #   [0:2]    d         fp16 super-scale
+    #   [2:4]    scales_h  u16 little-endian: bits 2s..2s+1 are bits 4-5 of sub-block s's scale
+    #   [4:8]    scales_l  byte s//2: low nibble = bits 0-3 of scale 2k, high nibble of 2k+1
+    #   [8:136]  qs        16 bytes per sub-block, nibbles laid out as IQ4_NL
+    #   value = d * (scale_s - 32) * LEVELS[code]
+    n = blocks.shape[0]
+    d = _f16(blocks[:, 0:2])
+    high = blocks[:, 2:4].contiguous().view(torch.int16).to(torch.int32) & 0xFFFF  # (N, 1)
+    high = (high >> (2 * torch.arange(8, dtype=torch.int32))) & 3  # (N, 8)
+    low = torch.stack([blocks[:, 4:8] & 0x0F, blocks[:, 4:8] >> 4], dim=2).reshape(n, 8)
+    scales = (low.to(torch.int32) | (high << 4)).float() - 32.0  # (N, 8)
+    qs = blocks[:, 8:136].reshape(n * 8, 16)
+    codes = _IQ4_LEVELS[_nibbles(qs).long()].reshape(n, 8, 32)
+    return ((d * scales).unsqueeze(-1) * codes).reshape(n, 256)
+
+
+def _dequant_tq2_0(blocks: torch.Tensor) -> torch.Tensor:
+    # TQ2_0, 66 bytes -> 256 ternary values:
+    #   [0:64]   qs  2 halves of 32 bytes; bits 2k..2k+1 of byte i = value half*128 + k*32 + i
+    #   [64:66]  d   fp16 scale
+    #   value = d * (q - 1), q in {0, 1, 2}
+    n = blocks.shape[0]
+    q = (blocks[:, 0:64].reshape(n, 2, 1, 32) >> _SHIFTS_2.view(1, 1, 4, 1)) & 0x03
+    return _f16(blocks[:, 64:66]) * (q.reshape(n, 256).float() - 1.0)
+
+
+_POW3 = torch.tensor([1, 3, 9, 27, 81], dtype=torch.int32)
+
+
+def _base3_digits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """(N, k) bytes holding `count` base-3 digits each, scaled to 0..255 -> (N, count, k) in 0..2.
+
+    Digit t of byte b is the top trit of (b * 3^t mod 256): ((b * 3^t) & 0xFF) * 3 >> 8.
+    """
+    scaled = (packed.to(torch.int32).unsqueeze(1) * _POW3[:count].view(1, count, 1)) & 0xFF
+    return (scaled * 3) >> 8
+
+
+def _dequant_tq1_0(blocks: torch.Tensor) -> torch.Tensor:
+    # TQ1_0, 54 bytes -> 256 ternary values:
+    #   [0:32]   qs  5 trits per byte: trit t of byte m is value t*32 + m          (160 values)
+    #   [32:48]  qs  5 trits per byte: trit t of byte m is value 160 + t*16 + m    (80 values)
+    #   [48:52]  qh  4 trits per byte: trit t of byte m is value 240 + t*4 + m     (16 values)
+    #   [52:54]  d   fp16 scale
+    #   value = d * (trit - 1)
+    n = blocks.shape[0]
+    q = torch.cat(
+        [
+            _base3_digits(blocks[:, 0:32], 5).reshape(n, 160),
+            _base3_digits(blocks[:, 32:48], 5).reshape(n, 80),
+            _base3_digits(blocks[:, 48:52], 4).reshape(n, 16),
+        ],
+        dim=1,
+    )
+    return _f16(blocks[:, 52:54]) * (q.float() - 1.0)
+
+
+def _dequant_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    # MXFP4, 17 bytes -> 32 values:
+    #   [0]     e   E8M0 shared exponent: scale 2^(e - 127), halved for the doubled levels
+    #   [1:17]  qs  16 bytes of e2m1 codes, nibbles laid out as Q4_0
+    #   value = 2^(e - 128) * LEVELS[code]
+    scale = torch.ldexp(torch.ones(1, dtype=torch.float64), blocks[:, 0:1].double() - 128.0)
+    return scale.float() * _MXFP4_LEVELS[_nibbles(blocks[:, 1:17]).long()]
+
+
 _DECODERS: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLType.F32: _dequant_f32,
     GGMLType.F16: _dequant_f16,
@@ -302,4 +390,9 @@ _DECODERS: dict[GGMLType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLType.Q5_K: _dequant_q5_k,
     GGMLType.Q6_K: _dequant_q6_k,
     GGMLType.Q8_K: _dequant_q8_k,
+    GGMLType.IQ4_NL: _dequant_iq4_nl,
+    GGMLType.IQ4_XS: _dequant_iq4_xs,
+    GGMLType.TQ1_0: _dequant_tq1_0,
+    GGMLType.TQ2_0: _dequant_tq2_0,
+    GGMLType.MXFP4: _dequant_mxfp4,
 }
