@@ -5,12 +5,15 @@ weights (a tiny HF model) and for a GGUF's own blocks through tidal's kernels (t
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
 from tests.kv.pool_check import assert_pool_clean
 from tests.loader.test_weight_cache import write_tiny_quantized_gemma
 from tidal import LLM, SamplingParams
+from tidal.engine.stats import StepStats
+from tidal.scheduler.controller import BatchController, StepLoad, StepPlan
 
 NUM_REQUESTS = 16
 MAX_TOKENS = 12
@@ -113,4 +116,49 @@ def test_prefix_hit_on_second_run_changes_nothing(model, reference):
     assert llm.engine.kv.prefix_hit_tokens > hits_before
     _assert_same(reference[0], first)
     _assert_same(reference[0], second)
+    assert_pool_clean(llm.engine.kv)
+
+
+class _JitteredController(BatchController):
+    """The real controller's plan, then a seeded random token budget and seat cap: the budget
+    moves every step, as it does under a TPOT target on a busy machine."""
+
+    def __init__(self, config, seed: int) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(config)
+        self.rng = random.Random(seed)
+        self.budgets: list[tuple[int, int]] = []
+
+    def plan(self, load: StepLoad) -> StepPlan:
+        base = super().plan(load)
+        budget = self.rng.randrange(1, 48)
+        seats = self.rng.randrange(1, 17)
+        self.budgets.append((budget, seats))
+        return replace(base, token_budget=budget, max_num_seqs=seats, prefill_tokens=budget)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_equals_alone_under_a_moving_budget(model, reference, seed):
+    path, vocab = model
+    steps: list[StepStats] = []
+    llm = LLM(path, block_size=8, kv_cache_bytes=8 << 20, max_num_seqs=16, target_tpot_ms=50,
+              on_step=steps.append)  # fmt: skip
+    scheduler = llm.engine.scheduler
+    scheduler.controller = _JitteredController(scheduler.config, seed)
+    prompts = _prompts(vocab, seed, shared_prefix=20 if seed else 0)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS)
+    _assert_same(reference[seed], outs)
+    assert len({b for b, _ in scheduler.controller.budgets}) > 10
+    assert [s.token_budget for s in steps] == [b for b, _ in scheduler.controller.budgets]
+    assert_pool_clean(llm.engine.kv)
+
+
+def test_batched_equals_alone_under_the_real_tpot_controller(model, reference):
+    """The controller as served: budgets from measured step times (so they differ run to run)."""
+    path, vocab = model
+    steps: list[StepStats] = []
+    llm = LLM(path, block_size=8, kv_cache_bytes=8 << 20, max_num_seqs=16, target_tpot_ms=2,
+              target_ttft_ms=50, on_step=steps.append)  # fmt: skip
+    outs = llm.generate(prompt_token_ids=_prompts(vocab, 0), sampling_params=PARAMS)
+    _assert_same(reference[0], outs)
+    assert {s.budget_reason for s in steps} <= {"tpot", "ttft"}
     assert_pool_clean(llm.engine.kv)

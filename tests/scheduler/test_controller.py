@@ -31,7 +31,11 @@ def simulate(
     for i in range(steps):
         keys = num_decodes * (context + 1)
         plan = controller.plan(StepLoad(num_decodes, keys, num_decodes))
-        shape = StepShape(plan.prefill_tokens, num_decodes, keys + chunk_attended_keys(context, plan.prefill_tokens))
+        shape = StepShape(
+            plan.prefill_tokens,
+            num_decodes,
+            keys + chunk_attended_keys(context, plan.prefill_tokens),
+        )
         step_s = cost(shape, i)
         controller.observe(shape, step_s, plan, filled=True)
         trace.append((plan, step_s))
@@ -90,7 +94,9 @@ def test_hysteresis_holds_the_target_when_the_model_is_wrong() -> None:
 
     # The model believes steps cost a third of what they do.
     wrong = Frozen(prior_s=tuple(c / 3 for c in TRUE))
-    controller = BatchController(SchedulerConfig(target_tpot_ms=150, max_num_batched_tokens=4096), model=wrong)
+    controller = BatchController(
+        SchedulerConfig(target_tpot_ms=150, max_num_batched_tokens=4096), model=wrong
+    )
     trace = simulate(controller, lambda s, i: true_cost(s), 80)
     assert trace[0][1] > 1.5 * 0.150  # it starts far over the target
     late = [step_s for _, step_s in trace[40:]]
@@ -125,7 +131,9 @@ def test_decisions_are_deterministic() -> None:
 
 
 def test_seat_cap_follows_decode_cost_within_min_and_max() -> None:
-    config = SchedulerConfig(target_tpot_ms=100, min_num_seqs=2, max_num_seqs=64, max_num_batched_tokens=4096)
+    config = SchedulerConfig(
+        target_tpot_ms=100, min_num_seqs=2, max_num_seqs=64, max_num_batched_tokens=4096
+    )
     cheap = BatchController(config, model=StepCostModel(prior_s=(0.01, 0.001, 0.001, 0.0)))
     assert cheap.plan(StepLoad(4, 4000, 4)).max_num_seqs == 64
     costly = BatchController(config, model=StepCostModel(prior_s=(0.01, 0.001, 0.02, 0.0)))
@@ -169,7 +177,10 @@ def test_auto_budget_on_cpu_without_target_and_fixed_elsewhere() -> None:
     [
         (dict(target_tpot_ms=0), r"^target_tpot_ms=0 is invalid: expected a positive number"),
         (dict(target_ttft_ms=float("nan")), r"^target_ttft_ms=nan is invalid"),
-        (dict(min_num_seqs=9, max_num_seqs=8), r"^min_num_seqs=9 is invalid: expected an integer in \[1, max_num_seqs=8\]"),
+        (
+            dict(min_num_seqs=9, max_num_seqs=8),
+            r"^min_num_seqs=9 is invalid: expected an integer in \[1, max_num_seqs=8\]",
+        ),
         (dict(cpu_budget_step_ms=-1.0), r"^cpu_budget_step_ms=-1.0 is invalid"),
     ],
 )

@@ -61,7 +61,11 @@ def test_priority_decides_who_is_capped() -> None:
 def test_tpot_target_holds_under_arriving_load_with_exact_outputs() -> None:
     clock = FakeClock()
     sched, model, _ = build(
-        num_blocks=1024, clock=clock, max_num_batched_tokens=2048, max_num_seqs=32, target_tpot_ms=150
+        num_blocks=1024,
+        clock=clock,
+        max_num_batched_tokens=2048,
+        max_num_seqs=32,
+        target_tpot_ms=150,
     )
     requests = [req(f"r{i}", range(i * 7, i * 7 + 300), max_tokens=40) for i in range(24)]
     arrivals = [i * 1.0 for i in range(len(requests))]  # one 300-token prompt a second

@@ -191,7 +191,23 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
         "continuous batching (--no-batching: one sequence at a time)",
     ),
     ("--max-num-seqs", "batching.max_num_seqs", "most sequences in one step"),
-    ("--max-num-batched-tokens", "batching.max_num_batched_tokens", "token budget of one step"),
+    ("--max-num-batched-tokens", "batching.max_num_batched_tokens", "most tokens in one step"),
+    ("--min-num-seqs", "batching.min_num_seqs", "lowest seat cap the TPOT controller may set"),
+    (
+        "--target-tpot-ms",
+        "batching.target_tpot_ms",
+        "size each step so decodes take about this per token",
+    ),
+    (
+        "--target-ttft-ms",
+        "batching.target_ttft_ms",
+        "raise the prefill share when queued requests would miss this first-token time",
+    ),
+    (
+        "--cpu-budget-step-ms",
+        "batching.cpu_budget_step_ms",
+        "no target, on CPU: prefill what fits a step this long (none: max-num-batched-tokens)",
+    ),
     ("--window-ms", "batching.window_ms", "wait this long when idle to batch arriving prefills"),
     ("--chunked-prefill", "batching.enable_chunked_prefill", "split long prompts across steps"),
     (
@@ -239,6 +255,16 @@ _FLAGS: tuple[tuple[str, str, str], ...] = (
         "on shutdown, wait this long for running requests",
     ),
     ("--warmup", "server.warmup", "run one request before reporting ready"),
+    (
+        "--stream-interval-ms",
+        "server.stream_interval_ms",
+        "coalesce a stream's tokens, send at most this often",
+    ),
+    (
+        "--sse-keepalive-s",
+        "server.sse_keepalive_s",
+        "SSE comment this often while a stream is queued",
+    ),
 )
 FLAG_OF: dict[str, str] = {key: flag for flag, key, _ in _FLAGS}
 _CHOICES: dict[str, tuple[str, ...]] = {

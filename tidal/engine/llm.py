@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from typing import Any
 
@@ -15,6 +15,7 @@ from tidal.config.scheduler import SchedulerConfig
 from tidal.engine.builder import build_engine
 from tidal.engine.output import RequestOutput
 from tidal.engine.sampling_params import SamplingParams
+from tidal.engine.stats import StepStats
 
 _SECTIONS = {
     "model": ModelConfig,
@@ -49,9 +50,18 @@ class LLM:
     >>> outs[0].outputs[0].text
     """
 
-    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        on_step: Callable[[StepStats], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """`on_step(stats)` is called after every engine step with its StepStats (the seeds'
+        set_monitor): batch and seat utilization, the controller's budget and seat cap, step
+        time and the cost model's prediction. It runs inside generate(); keep it cheap."""
         self.config = engine_config_from_kwargs(model, **kwargs)
-        self.engine = build_engine(self.config)
+        self.engine = build_engine(self.config, on_step=on_step)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
