@@ -73,7 +73,10 @@ def serve(cfg: TidalConfig) -> int:
 
     # Bind first: a taken port fails before minutes of model loading, and port 0 is resolved.
     sock = _bind(cfg.server.host, cfg.server.port)
-    metrics = ServerMetrics()
+    sched = cfg.engine.scheduler
+    metrics = ServerMetrics(
+        target_ttft_ms=sched.target_ttft_ms, target_tpot_ms=sched.target_tpot_ms
+    )
     if cfg.server.engine_process:
         try:
             engine, model_root, max_model_len, vocab_size = _supervised_engine(cfg, metrics)

@@ -80,8 +80,10 @@ def parse_promql(where: str, expr: str) -> Query:
 def exported_families() -> dict[str, Family]:
     """The families in the /metrics exposition of a server's ServerMetrics, labelled ones observed
     the way the server observes them so their label names show."""
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(target_ttft_ms=1000, target_tpot_ms=100)  # with batching targets set
     metrics.track().finish("stop")  # what GenerationJob does when a request ends
+    metrics.observe_slo(0.5, 0.05)  # what a RequestTracker does when a request finishes
+    metrics.step_cost.labels(term="base").set(0.01)  # what on_step does each step
     metrics.rejected.labels(reason="queue_full").inc()  # what app.py does for a 429
     metrics.requests_failed.labels(reason="engine_died").inc()  # what cli_serve.py wires up
     text = metrics.render().decode()

@@ -29,6 +29,12 @@ class ServerConfig:
     # More than this many engine restarts within engine_restart_window_s: the server exits 1.
     engine_max_restarts: int = 5
     engine_restart_window_s: float = 300.0
+    # A stream sends its new text at most this often, coalescing the tokens of the steps in
+    # between into one chunk (the seeds' stream_interval); 0 sends every step's tokens at once.
+    stream_interval_ms: float = 0.0
+    # While a streamed request waits in the queue, send an SSE comment this often so clients and
+    # proxies do not time the connection out; 0 sends none (the first byte waits for a token).
+    sse_keepalive_s: float = 10.0
 
     def __post_init__(self) -> None:
         # A list from YAML or JSON becomes a tuple so the config stays hashable and immutable.
@@ -77,6 +83,9 @@ class ServerConfig:
             self.engine_max_restarts,
             "an integer >= 0",
         )
+        for name in ("stream_interval_ms", "sse_keepalive_s"):
+            value = getattr(self, name)
+            check(value >= 0, name, value, "a number >= 0 (0 turns it off)")
         check(
             self.engine_restart_window_s > 0,
             "engine_restart_window_s",

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 from starlette.requests import Request
 
 from tidal.engine.async_engine import EngineError, QueueFullError
 from tidal.engine.client import EngineInterrupted
-from tidal.engine.output import Logprob, RequestOutput
+from tidal.engine.output import CompletionOutput, Logprob, RequestOutput
 from tidal.engine.sampling_params import SamplingParams
 from tidal.server.errors import (
     APIError,
@@ -27,6 +28,7 @@ from tidal.server.errors import (
 from tidal.server.guards import MAX_RETRY_AFTER_S, check_deadline, retry_after_s
 from tidal.server.inputs import PromptInput
 from tidal.server.responses import UsageInfo
+from tidal.server.sse import SSE_DONE, sse_comment, sse_error_event
 from tidal.server.state import ServerState
 
 _T = TypeVar("_T")
@@ -120,9 +122,11 @@ class GenerationJob:
             return engine_restarted(min(e.retry_after_s, MAX_RETRY_AFTER_S), self.request_id)
         return internal_error(self.request_id)
 
-    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs(self, interval_s: float = 0.0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, delta output) from every prompt, as they come; raises APIError.
 
+        With interval_s > 0 (server.stream_interval_ms) a prompt's deltas are merged and
+        yielded at most once per interval_s: the first output and a finished one go out at once.
         Closing it (or cancelling the task iterating it) aborts every engine request still running.
         """
         if self.state.draining:
@@ -133,19 +137,123 @@ class GenerationJob:
             asyncio.create_task(self._pump(i, inp, out_q)) for i, inp in enumerate(self.inputs)
         ]
         remaining = len(tasks)
+        loop = asyncio.get_running_loop()
+        held: dict[int, RequestOutput] = {}  # merged deltas not yet sent, by prompt index
+        sent_s = -math.inf
         try:
             while remaining:
-                i, item = await out_q.get()
+                if held:
+                    try:
+                        wait_s = max(0.0, sent_s + interval_s - loop.time())
+                        i, item = await asyncio.wait_for(out_q.get(), wait_s)
+                    except TimeoutError:
+                        for i in sorted(held):
+                            yield i, held.pop(i)
+                        sent_s = loop.time()
+                        continue
+                else:
+                    i, item = await out_q.get()
                 if item is None:
                     remaining -= 1
+                    if i in held:
+                        yield i, held.pop(i)
                 elif isinstance(item, APIError):
                     raise item
                 else:
-                    yield i, item
+                    if i in held:
+                        item = merge_deltas(held.pop(i), item)
+                    due = loop.time() >= sent_s + interval_s
+                    if due or item.finished or item.prompt_logprobs is not None:
+                        yield i, item
+                        sent_s = loop.time()
+                    else:
+                        held[i] = item
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One delta output holding a's new tokens then b's (b is the later one)."""
+    by_index = {c.index: c for c in a.outputs}
+    merged: list[CompletionOutput] = []
+    for cb in b.outputs:
+        ca = by_index.pop(cb.index, None)
+        if ca is None:
+            merged.append(cb)
+            continue
+        logprobs = None
+        if ca.logprobs is not None or cb.logprobs is not None:
+            logprobs = (ca.logprobs or []) + (cb.logprobs or [])
+        merged.append(
+            replace(
+                cb,
+                text=ca.text + cb.text,
+                token_ids=ca.token_ids + cb.token_ids,
+                logprobs=logprobs,
+                finish_reason=cb.finish_reason or ca.finish_reason,
+                stop_reason=cb.stop_reason if cb.finish_reason else ca.stop_reason,
+            )
+        )
+    merged.extend(by_index.values())  # choices b did not touch (n > 1)
+    merged.sort(key=lambda c: c.index)
+    prompt_logprobs = b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs
+    return replace(b, outputs=merged, prompt_logprobs=prompt_logprobs)
+
+
+async def open_stream(
+    outs: AsyncIterator[tuple[int, RequestOutput]],
+    keepalive_s: float,
+    body: Callable[[tuple[int, RequestOutput]], AsyncIterator[bytes]],
+) -> AsyncIterator[bytes]:
+    """The bytes of a streamed response, once it is known to start.
+
+    Waits up to keepalive_s (server.sse_keepalive_s; 0: as long as it takes) for the first
+    output: errors before it (429, 400) raise here and keep their HTTP status. A request still
+    queued after keepalive_s starts its 200 response with SSE comments, one per keepalive_s, so
+    clients and proxies do not time out; an error after that is sent in the stream.
+    """
+    first = asyncio.ensure_future(anext(outs))
+    try:
+        await asyncio.wait({first}, timeout=keepalive_s if keepalive_s > 0 else None)
+        if first.done():
+            return body(first.result())
+    except BaseException:
+        await _close(first, outs)
+        raise
+    return _keepalive_then(first, outs, keepalive_s, body)
+
+
+async def _keepalive_then(
+    first: asyncio.Future,
+    outs: AsyncIterator[tuple[int, RequestOutput]],
+    keepalive_s: float,
+    body: Callable[[tuple[int, RequestOutput]], AsyncIterator[bytes]],
+) -> AsyncIterator[bytes]:
+    try:
+        while not first.done():
+            yield sse_comment("queued")
+            await asyncio.wait({first}, timeout=keepalive_s)
+        try:
+            item = first.result()
+        except APIError as e:
+            yield sse_error_event(e)
+            yield SSE_DONE
+            return
+        async for chunk in body(item):
+            yield chunk
+    finally:
+        if not first.done():  # the client left while the request was queued
+            await _close(first, outs)
+
+
+async def _close(first: asyncio.Future, outs: AsyncIterator) -> None:
+    """Cancel the pending first read, then close the outputs (aborting their engine requests)."""
+    first.cancel()
+    with contextlib.suppress(BaseException):
+        await first
+    await outs.aclose()  # type: ignore[attr-defined]
 
 
 @dataclass(slots=True)

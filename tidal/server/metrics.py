@@ -17,6 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tidal.engine.output import RequestOutput
 from tidal.engine.stats import StepStats
+from tidal.scheduler.cost_model import TERMS
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -35,7 +36,12 @@ class ServerMetrics:
     """All `tidal:*` metrics. `on_step` runs on the engine thread (prometheus_client is
     thread-safe); request metrics are observed by a `RequestTracker` per served request."""
 
-    def __init__(self, device_memory_bytes: int | None = None) -> None:
+    def __init__(
+        self,
+        device_memory_bytes: int | None = None,
+        target_ttft_ms: float | None = None,
+        target_tpot_ms: float | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram("tidal:time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
@@ -53,7 +59,25 @@ class ServerMetrics:
         self.generation_tokens = Counter("tidal:generation_tokens", "Tokens generated.", registry=r)  # fmt: skip
         self.success = Counter("tidal:request_success", "Requests finished, by reason.", ["finished_reason"], registry=r)  # fmt: skip
         self.rejected = Counter("tidal:request_rejected", "Requests refused before or by the engine, by reason.", ["reason"], registry=r)  # fmt: skip
-        self.batch_utilization = Histogram("tidal:batch_utilization", "Scheduled tokens / token budget per step.", buckets=_RATIO_BUCKETS, registry=r)  # fmt: skip
+        self.batch_utilization = Histogram("tidal:batch_utilization", "Token utilization: scheduled tokens / token budget per step.", buckets=_RATIO_BUCKETS, registry=r)  # fmt: skip
+        self.seat_utilization = Histogram("tidal:seat_utilization", "Seat utilization: running sequences / seat cap per step.", buckets=_RATIO_BUCKETS, registry=r)  # fmt: skip
+        self.token_budget = Gauge("tidal:scheduler_token_budget", "The batch controller's token budget of the last step.", registry=r)  # fmt: skip
+        self.prefill_budget = Gauge("tidal:scheduler_prefill_budget", "Of the token budget, the tokens prefill chunks may take.", registry=r)  # fmt: skip
+        self.seat_cap = Gauge("tidal:scheduler_seat_cap", "The batch controller's running-sequence cap.", registry=r)  # fmt: skip
+        self.headroom = Gauge("tidal:scheduler_headroom", "The controller's hysteresis factor on the TPOT target (1: the cost model is trusted).", registry=r)  # fmt: skip
+        self.step_cost = Gauge("tidal:step_cost_seconds", "The step cost model: seconds per unit of each term.", ["term"], registry=r)  # fmt: skip
+        self.step_predicted = Histogram("tidal:step_duration_predicted_seconds", "The cost model's prediction of each step's time.", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
+        # Per configured target (batching.target_ttft_ms / target_tpot_ms): requests that met it,
+        # and goodput (requests that met every target).
+        self.slo_requests = Counter("tidal:slo_requests", "Finished requests judged against each latency target.", ["slo", "result"], registry=r)  # fmt: skip
+        self.slo_attainment = Gauge("tidal:slo_attainment", "Fraction of finished requests that met each latency target.", ["slo"], registry=r)  # fmt: skip
+        self.goodput = Counter("tidal:goodput_requests", "Finished requests that met every latency target.", registry=r)  # fmt: skip
+        self.targets_s: dict[str, float] = {}
+        for slo, ms in (("ttft", target_ttft_ms), ("tpot", target_tpot_ms)):
+            if ms is not None:
+                self.targets_s[slo] = ms / 1000
+                self.slo_attainment.labels(slo=slo).set(1.0)
+        self._slo_counts: dict[str, list[int]] = {slo: [0, 0] for slo in self.targets_s}
         self.iteration_tokens = Histogram("tidal:iteration_tokens", "Tokens scheduled per step.", buckets=_TOKEN_BUCKETS, registry=r)  # fmt: skip
         self.step_duration = Histogram("tidal:step_duration_seconds", "Wall time of one engine step.", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
         self.process_memory = Gauge("tidal:process_memory_bytes", "Resident memory of the server process.", registry=r)  # fmt: skip
@@ -109,10 +133,36 @@ class ServerMetrics:
             self.prefix_hits.inc(stats.prefix_hit_tokens)
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
+        self.token_budget.set(stats.token_budget)
+        self.prefill_budget.set(stats.prefill_budget)
+        self.seat_cap.set(stats.seat_cap)
+        self.headroom.set(stats.headroom)
+        for term, seconds in zip(TERMS, stats.cost_coefficients):
+            self.step_cost.labels(term=term).set(seconds)
         if stats.num_scheduled_tokens:  # idle bookkeeping steps would skew the histograms
             self.batch_utilization.observe(stats.batch_utilization)
+            self.seat_utilization.observe(stats.seat_utilization)
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.step_duration.observe(stats.step_time_s)
+            self.step_predicted.observe(stats.predicted_step_s)
+
+    def observe_slo(self, ttft_s: float | None, tpot_s: float | None) -> None:
+        """Judge one finished request against the configured targets (a request with one output
+        token has no TPOT and meets that target)."""
+        if not self.targets_s:
+            return
+        measured = {"ttft": ttft_s, "tpot": tpot_s}
+        good = True
+        for slo, target_s in self.targets_s.items():
+            value = measured[slo]
+            met = value is None and slo == "tpot" or value is not None and value <= target_s
+            good = good and met
+            counts = self._slo_counts[slo]
+            counts[0 if met else 1] += 1
+            self.slo_requests.labels(slo=slo, result="met" if met else "missed").inc()
+            self.slo_attainment.labels(slo=slo).set(counts[0] / (counts[0] + counts[1]))
+        if good:
+            self.goodput.inc()
 
     def track(self) -> RequestTracker:
         return RequestTracker(self)
@@ -153,6 +203,14 @@ class RequestTracker:
             self._last_token_time_s = t.last_token_time_s
         if out.finished and t.finished_time_s is not None:
             m.e2e.observe(max(0.0, t.finished_time_s - t.arrival_time_s))
+            if t.first_token_time_s is not None:
+                ttft_s = t.first_token_time_s - t.arrival_time_s
+                tpot_s = None
+                if t.num_generation_tokens > 1 and t.last_token_time_s is not None:
+                    tpot_s = (t.last_token_time_s - t.first_token_time_s) / (
+                        t.num_generation_tokens - 1
+                    )
+                m.observe_slo(ttft_s, tpot_s)
 
     def finish(self, reason: str) -> None:
         self.m.success.labels(finished_reason=reason).inc()

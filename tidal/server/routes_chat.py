@@ -18,6 +18,7 @@ from tidal.server.generation import (
     collect,
     effective_timeout_s,
     finish_error,
+    open_stream,
     until_disconnect,
 )
 from tidal.server.guards import admit
@@ -53,18 +54,16 @@ async def create_chat_completion(request: Request) -> Response:
     )
     num_top = params.logprobs  # None unless logprobs is true
     if req.stream:
-        outs = job.outputs()
-        try:
-            first = await anext(outs)  # errors before any output (429, 400) keep their status
-        except BaseException:
-            await outs.aclose()
-            raise
+        server = state.config.server
+        outs = job.outputs(server.stream_interval_ms / 1000)
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        return StreamingResponse(
-            _stream(job, first, outs, num_top, req.include_usage, continuous),
-            media_type=SSE_MEDIA_TYPE,
-            headers=SSE_HEADERS,
+        # Errors before any output (429, 400) raise here and keep their status.
+        body = await open_stream(
+            outs,
+            server.sse_keepalive_s,
+            lambda first: _stream(job, first, outs, num_top, req.include_usage, continuous),
         )
+        return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     choices, _, usage = await until_disconnect(request, collect(job))
     tok = state.tokenizer
     out_choices = [

@@ -18,6 +18,7 @@ from tidal.server.generation import (
     collect,
     effective_timeout_s,
     finish_error,
+    open_stream,
     until_disconnect,
 )
 from tidal.server.guards import admit
@@ -53,17 +54,15 @@ async def create_completion(request: Request) -> Response:
     echo = bool(req.echo)
     num_top = req.logprobs
     if req.stream:
-        outs = job.outputs()
-        try:
-            first = await anext(outs)  # errors before any output (429, 400) keep their status
-        except BaseException:
-            await outs.aclose()
-            raise
-        return StreamingResponse(
-            _stream(job, first, outs, echo, num_top, req.include_usage),
-            media_type=SSE_MEDIA_TYPE,
-            headers=SSE_HEADERS,
+        server = state.config.server
+        outs = job.outputs(server.stream_interval_ms / 1000)
+        # Errors before any output (429, 400) raise here and keep their status.
+        body = await open_stream(
+            outs,
+            server.sse_keepalive_s,
+            lambda first: _stream(job, first, outs, echo, num_top, req.include_usage),
         )
+        return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     choices, last, usage = await until_disconnect(request, collect(job))
     out_choices = []
     for idx in sorted(choices):
