@@ -200,7 +200,7 @@ def vars_of(args: argparse.Namespace) -> dict:
     """The arguments that define the trace and load, for the JSON record."""
     keys = ("workload", "input_len", "output_len", "turns", "system_len", "api", "jsonl",
             "num_requests", "seed", "request_rate", "concurrency", "burstiness", "warmup",
-            "slo_ttft_ms", "slo_tpot_ms", "temperature", "ignore_eos")  # fmt: skip
+            "slo_ttft_ms", "slo_tpot_ms", "temperature", "ignore_eos", "target_tpot_ms")  # fmt: skip
     return {k: getattr(args, k, None) for k in keys}
 
 

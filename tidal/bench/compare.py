@@ -23,6 +23,7 @@ from tidal.bench.stream_client import RequestOptions, RequestRecord
 
 DEFAULT_NUM_REQUESTS = 8  # 4 chat sessions x 2 turns: server start-up dominates on 2 busy cores
 DEFAULT_CONCURRENCY = 4
+TPOT_TARGET = "tidal-target-tpot"  # made from --target-tpot-ms; not in TARGETS
 # The address ends the line (servers write it in one write()); anything else is not trusted.
 _LISTENING = re.compile(r"listening on (http://(?:[\w.\-]+|\[[0-9a-fA-F:]+\]):\d{1,5})\s*$")
 
@@ -56,6 +57,12 @@ TARGETS: dict[str, Target] = {
             "tidal serve --quantization int8 (weights in int8 groups of 32)",
         ),  # fmt: skip
         Target("tidal-no-prefix-cache", "tidal", ("--no-prefix-caching",), "ablation"),
+        Target(
+            "tidal-fixed-budget",
+            "tidal",
+            ("--cpu-budget-step-ms", "none"),
+            "ablation: a fixed 1024-token step budget instead of the cost model's on CPU",
+        ),  # fmt: skip
         Target("tidal-no-chunked-prefill", "tidal", ("--no-chunked-prefill",), "ablation"),
         Target("tidal-max-num-seqs-1", "tidal", ("--max-num-seqs", "1"), "ablation: no batching"),
         Target("llama.cpp", "llama.cpp", (), "llama-server, continuous batching, --parallel N"),
@@ -77,6 +84,8 @@ def llama_server_path() -> Path:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file (default: the bundled Gemma 3 270M)")
     p.add_argument("--targets", default=",".join(TARGETS), help=f"comma-separated, from {list(TARGETS)}")  # fmt: skip
+    p.add_argument("--target-tpot-ms", type=float, default=None,
+                   help=f"also run tidal with this TPOT target, as target {TPOT_TARGET!r} after 'tidal'")  # fmt: skip
     p.add_argument("--parallel", type=int, default=DEFAULT_CONCURRENCY,
                    help="llama-server --parallel slots and the HF baseline's batch size")  # fmt: skip
     # One thread by default: on a shared 2-core box, 2 torch threads per server spin against the
@@ -194,10 +203,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tidal.bench.cli import loads_from_args, traces_from_args, vars_of, write_outputs
 
-    names = [n.strip() for n in args.targets.split(",") if n.strip()]
-    unknown = [n for n in names if n not in TARGETS]
-    if unknown:
-        raise ValueError(f"targets={unknown} is invalid: expected names from {list(TARGETS)}")
+    names, targets = target_list(args.targets, args.target_tpot_ms)
     loads = loads_from_args(args)
     traces = traces_from_args(args, len(loads))
     model = Path(args.model) if args.model else None
@@ -211,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM (timeout, CI) unwinds like Ctrl-C, so the `finally` below stops the server.
     signal.signal(signal.SIGTERM, _raise_interrupt)
     for name in names:
-        t = TARGETS[name]
+        t = targets[name]
         started = time.monotonic()
         try:
             handle, ready = start_target(t, model, args, log_dir)
@@ -249,6 +255,28 @@ def run(args: argparse.Namespace) -> int:
     lines = [f"- {name}: {note}" for name, note in notes.items()]
     write_outputs(args, runs, records, meta, lines)
     return 0 if runs else 1
+
+
+def target_list(text: str, target_tpot_ms: float | None) -> tuple[list[str], dict[str, Target]]:
+    """The target names to run, in order, and their definitions; --target-tpot-ms adds
+    TPOT_TARGET (tidal with the batch controller aiming at that TPOT) right after "tidal"."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    targets = dict(TARGETS)
+    if target_tpot_ms is not None:
+        if not (target_tpot_ms > 0):
+            raise ValueError(
+                f"--target-tpot-ms={target_tpot_ms} is invalid: expected a positive number"
+            )
+        ms = f"{target_tpot_ms:g}"
+        about = f"tidal serve --target-tpot-ms {ms} (the latency-targeting batch controller)"
+        targets[TPOT_TARGET] = Target(TPOT_TARGET, "tidal", ("--target-tpot-ms", ms), about)
+        if TPOT_TARGET not in names:
+            names.insert(names.index("tidal") + 1 if "tidal" in names else 0, TPOT_TARGET)
+    unknown = [n for n in names if n not in targets]
+    if unknown:
+        hint = f" ({TPOT_TARGET} needs --target-tpot-ms)" if TPOT_TARGET in unknown else ""
+        raise ValueError(f"targets={unknown} is invalid: expected names from {list(targets)}{hint}")
+    return names, targets
 
 
 def which_llama_server() -> str | None:

@@ -1,0 +1,33 @@
+"""`tidal bench compare --target-tpot-ms`: the TPOT-target run joins the target list beside tidal."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidal.bench.compare import TPOT_TARGET, target_list
+from tidal.cli import build_parser
+
+
+def test_target_tpot_ms_adds_a_tidal_run_after_tidal() -> None:
+    names, targets = target_list("llama.cpp,tidal,hf-static", 150.0)
+    assert names == ["llama.cpp", "tidal", TPOT_TARGET, "hf-static"]
+    t = targets[TPOT_TARGET]
+    assert t.kind == "tidal" and t.args == ("--target-tpot-ms", "150")
+    names, targets = target_list("tidal", None)
+    assert names == ["tidal"] and TPOT_TARGET not in targets
+
+
+def test_tpot_target_needs_the_flag_and_a_positive_value() -> None:
+    with pytest.raises(ValueError, match="needs --target-tpot-ms"):
+        target_list(f"tidal,{TPOT_TARGET}", None)
+    with pytest.raises(ValueError, match=r"^--target-tpot-ms=0.0 is invalid"):
+        target_list("tidal", 0.0)
+    with pytest.raises(ValueError, match=r"targets=\['nope'\] is invalid"):
+        target_list("nope", None)
+
+
+def test_the_flag_parses() -> None:
+    args = build_parser().parse_args(
+        ["bench", "compare", "--target-tpot-ms", "150", "--workload", "mix"]
+    )
+    assert args.target_tpot_ms == 150.0
