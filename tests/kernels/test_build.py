@@ -37,3 +37,25 @@ def test_a_failing_build_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(build, "_FLAGS", ("--no-such-option",))
     assert build._build_and_load("int8_gemm") is None
     assert not list((tmp_path / "kernels").iterdir())
+
+
+def test_linked_sources_build_into_one_library(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """decoder.c calls the gemm, attention and norm kernels directly: one library holds them all,
+    reused from the cache like any other."""
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
+    link = ("gguf_gemm", "paged_attention", "norm_rope")
+    lib = build._build_and_load("decoder", link)
+    assert lib is not None
+    for symbol in (
+        "tidal_decoder_run",
+        "tidal_gguf_gemm",
+        "tidal_paged_attention",
+        "tidal_rms_norm",
+    ):
+        assert hasattr(lib, symbol)
+    built = list((tmp_path / "kernels").glob("decoder-*.so"))
+    assert len(built) == 1
+    assert build._build_and_load("decoder", link) is not None
+    assert list((tmp_path / "kernels").glob("decoder-*.so")) == built  # reused

@@ -9,8 +9,8 @@ from tidal.attention.torch_paged import KVPages, TorchPagedAttention
 from tidal.kernels import paged_attention as kernel
 from tidal.quant.kv_quant import QuantizedKV
 
-_PAGE_TYPES = {torch.float32: kernel.KV_F32, torch.bfloat16: kernel.KV_BF16}
-_QUANT_TYPES = {"int8": kernel.KV_INT8, "fp8": kernel.KV_FP8}
+PAGE_TYPES = {torch.float32: kernel.KV_F32, torch.bfloat16: kernel.KV_BF16}
+QUANT_TYPES = {"int8": kernel.KV_INT8, "fp8": kernel.KV_FP8}
 
 
 class CpuPagedAttention:
@@ -60,15 +60,15 @@ def _kernel_forward(
     """The kernel's output, or None where it cannot take these inputs."""
     if isinstance(k_cache, QuantizedKV):
         assert isinstance(v_cache, QuantizedKV)
-        kv_type = _QUANT_TYPES.get(k_cache.kv_dtype)
+        kv_type = QUANT_TYPES.get(k_cache.kv_dtype)
         k_pages, v_pages = k_cache.data, v_cache.data
         k_scales, v_scales = k_cache.scale, v_cache.scale
     else:
         assert isinstance(v_cache, torch.Tensor)
-        kv_type = _PAGE_TYPES.get(k_cache.dtype)
+        kv_type = PAGE_TYPES.get(k_cache.dtype)
         k_pages, v_pages, k_scales, v_scales = k_cache, v_cache, None, None
     dtype = q.dtype
-    if kv_type is None or dtype not in _PAGE_TYPES:
+    if kv_type is None or dtype not in PAGE_TYPES:
         return None
     if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         return None

@@ -57,26 +57,31 @@ def _compiler() -> str | None:
     return None
 
 
-def load(name: str) -> ctypes.CDLL | None:
+def load(name: str, link: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled library for tidal/kernels/<name>.c, or None where it cannot be built (no C
-    compiler, a failed build, TIDAL_KERNELS=0); callers then take their torch fallback."""
+    compiler, a failed build, TIDAL_KERNELS=0); callers then take their torch fallback.
+
+    `link` names other kernel sources compiled into the same library, so that <name>.c can call
+    their public functions directly (one C call that runs several kernels in turn)."""
     with _lock:
         if name not in _loaded:
-            _loaded[name] = _build_and_load(name)
+            _loaded[name] = _build_and_load(name, link)
         return _loaded[name]
 
 
-def _build_and_load(name: str) -> ctypes.CDLL | None:
+def _build_and_load(name: str, link: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if os.environ.get("TIDAL_KERNELS", "1") == "0":
         return None
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler found: the %s kernel is off, torch's fallback runs", name)
         return None
-    source = _SOURCES / f"{name}.c"
+    sources = [_SOURCES / f"{n}.c" for n in (name, *link)]
+    headers = sorted(_SOURCES.glob("*.h"))
     key = hashlib.sha256(
         b"\0".join(
-            [source.read_bytes(), cc.encode(), " ".join(_FLAGS).encode(), _cpu_model().encode()]
+            [p.read_bytes() for p in (*sources, *headers)]
+            + [cc.encode(), " ".join(_FLAGS).encode(), _cpu_model().encode()]
         )
     ).hexdigest()[:16]
     target = cache_dir() / f"{name}-{key}.so"
@@ -84,7 +89,7 @@ def _build_and_load(name: str) -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
-        cmd = [cc, *_FLAGS, str(source), "-o", tmp]
+        cmd = [cc, *_FLAGS, *map(str, sources), "-lm", "-o", tmp]
         try:
             subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
             os.replace(tmp, target)  # atomic: a concurrent build never loads half a file

@@ -15,6 +15,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "tidal_kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TIDAL_AVX2 1
@@ -48,6 +50,23 @@ static void norm_row(const float *x, const float *scale, int64_t n, float eps, f
 void tidal_rms_norm(const float *x, int64_t rows, int64_t n, int64_t ldx, const float *scale,
                     double eps, float *out, int64_t ldo) {
     for (int64_t r = 0; r < rows; r++) norm_row(x + r * ldx, scale, n, (float)eps, out + r * ldo);
+}
+
+/* x[r, :] += rms_norm(o[r, :]) * scale, or x[r, :] += o[r, :] when scale is NULL: a residual
+ * add after a post-norm (Gemma) or none (Llama), with the norm's value computed exactly as
+ * tidal_rms_norm computes it, so that `x + rms_norm(o)` in torch gives the same bits. */
+void tidal_add_rms_norm(float *x, int64_t rows, int64_t n, int64_t ldx, const float *o,
+                        int64_t ldo, const float *scale, double eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *xr = x + r * ldx;
+        const float *orow = o + r * ldo;
+        if (!scale) {
+            for (int64_t k = 0; k < n; k++) xr[k] += orow[k];
+            continue;
+        }
+        float inv = 1.0f / sqrtf(sum_squares(orow, n) / (float)n + (float)eps);
+        for (int64_t k = 0; k < n; k++) xr[k] += (orow[k] * inv) * scale[k];
+    }
 }
 
 /* One head of D values in place: optional norm, then the rotation. */

@@ -37,6 +37,8 @@
 #include <string.h>
 #include <omp.h>
 
+#include "tidal_kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TIDAL_AVX2 1
@@ -736,23 +738,8 @@ static void write_row(const prm_t *P, const float *x, int64_t idx, void *pages, 
     }
 }
 
-/* The call's arguments, 8 bytes a field, as tidal/kernels/paged_attention.py packs them: one
- * pointer crosses ctypes instead of 27 converted arguments (~4 us a call, 18 calls a step). */
-typedef struct {
-    const float *q, *k, *v;
-    int64_t ldq, ldk, ldv;  /* token strides of q, k, v in floats */
-    float *out;
-    int64_t T, H, KVH, D;
-    void *k_pages, *v_pages;
-    float *k_scales, *v_scales;  /* NULL unless 8-bit */
-    int64_t kv_type, block_size;
-    const int64_t *slot_mapping, *block_tables;
-    int64_t table_width;
-    const int32_t *seqs;  /* (3, S): query_start, query_lens, context_lens */
-    int64_t S, window;    /* window 0: none */
-    double scale, softcap; /* softcap 0: none */
-    int64_t isa, nthreads;
-} args_t;
+/* The call's arguments (one packed block, see tidal_kernels.h). */
+typedef tidal_attention_args args_t;
 
 int64_t tidal_paged_attention_args_size(void) { return (int64_t)sizeof(args_t); }
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from tidal.attention.metadata import AttentionMetadata
 from tidal.layers.attention import CosSin, KVCache, SelfAttention
+from tidal.layers.native_decoder import NativeDecoder
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.arch import ArchConfig
@@ -45,6 +46,7 @@ class Gemma3Model(nn.Module):
             {t: RotaryEmbedding(arch.head_dim, arch.rope[t]) for t in sorted(set(arch.layer_types))}
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma=True)
+        self.native = NativeDecoder(self.layers, sorted(self.rotary))
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -69,8 +71,9 @@ class Gemma3ForCausalLM(nn.Module):
         # transformers rounds the scale to the weight dtype before multiplying; so do we.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos_sin = {t: rot(positions, x.dtype) for t, rot in self.model.rotary.items()}
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin[layer.self_attn.layer_type], meta, kv)
+        if not self.model.native.run(x, cos_sin, meta, kv_caches):
+            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+                x = layer(x, cos_sin[layer.self_attn.layer_type], meta, kv)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

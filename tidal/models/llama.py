@@ -6,9 +6,11 @@ import torch
 from torch import nn
 
 from tidal.attention.metadata import AttentionMetadata
+from tidal.kernels.decoder import gated_act
 from tidal.layers.activation import activation
 from tidal.layers.attention import CosSin, KVCache, SelfAttention
 from tidal.layers.linear import fuse_linears
+from tidal.layers.native_decoder import NativeDecoder
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.models.arch import ArchConfig
@@ -23,6 +25,7 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
         self.act = activation(act)
+        self.act_name = act
         self.intermediate = intermediate
         self.gate_up_proj: nn.Module | None = None  # set by fuse_projections()
 
@@ -35,7 +38,12 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            # The C activation on CPU float32: the function tidal's native decoder stack runs.
+            mixed = gated_act(gate_up, self.intermediate, self.act_name)
+            if mixed is not None:
+                return self.down_proj(mixed)
+            gate, up = gate_up.split(self.intermediate, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(self.act(gate) * up)
@@ -68,6 +76,7 @@ class LlamaModel(nn.Module):
             {t: RotaryEmbedding(arch.head_dim, arch.rope[t]) for t in sorted(set(arch.layer_types))}
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.native = NativeDecoder(self.layers, sorted(self.rotary))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -93,8 +102,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states (T, hidden) after the final norm."""
         x = self.model.embed_tokens(input_ids)
         cos_sin = {t: rot(positions, x.dtype) for t, rot in self.model.rotary.items()}
-        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, cos_sin[layer.self_attn.layer_type], meta, kv)
+        if not self.model.native.run(x, cos_sin, meta, kv_caches):
+            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+                x = layer(x, cos_sin[layer.self_attn.layer_type], meta, kv)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
