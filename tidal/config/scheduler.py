@@ -11,8 +11,10 @@ from tidal.config._check import check
 class SchedulerConfig:
     # Most sequences in one step's batch (with target_tpot_ms, the upper bound of the seat cap).
     max_num_seqs: int = 32
-    # With target_tpot_ms, the seat cap never goes below this many sequences.
-    min_num_seqs: int = 1
+    # With target_tpot_ms, the seat cap never goes below this many sequences (nor above
+    # max_num_seqs: with max_num_seqs=2 the floor is 2). The seeds' min_batch is 4 too: fewer
+    # seats rarely lower the step time enough to be worth the lost throughput.
+    min_num_seqs: int = 4
     # Most tokens one step may hold (decodes count 1 each; prefill chunks fill the rest). Without
     # a target on a GPU this is every step's budget; otherwise it is the ceiling of the budget.
     max_num_batched_tokens: int = 1024
@@ -39,13 +41,35 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
-        check(1 <= self.min_num_seqs <= self.max_num_seqs, "min_num_seqs", self.min_num_seqs, f"an integer in [1, max_num_seqs={self.max_num_seqs}]")
+        check(self.min_num_seqs >= 1, "min_num_seqs", self.min_num_seqs, "an integer >= 1")
         for name in ("target_tpot_ms", "target_ttft_ms", "cpu_budget_step_ms"):
             value = getattr(self, name)
             # `not > 0` also refuses NaN, which no measured time would ever compare above.
-            check(value is None or value > 0, name, value, "a positive number of milliseconds or None")
-        check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, "an integer >= 1")
-        check(self.max_queue is None or self.max_queue >= 1, "max_queue", self.max_queue, "an integer >= 1 or None")
+            check(
+                value is None or value > 0, name, value, "a positive number of milliseconds or None"
+            )
+        check(
+            self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            "an integer >= 1",
+        )
+        check(
+            self.max_queue is None or self.max_queue >= 1,
+            "max_queue",
+            self.max_queue,
+            "an integer >= 1 or None",
+        )
         check(self.window_ms >= 0, "window_ms", self.window_ms, "a number >= 0")
-        check(self.priority_aging_s > 0, "priority_aging_s", self.priority_aging_s, "a positive number of seconds")
-        check(self.length_aging_tokens_per_s >= 0, "length_aging_tokens_per_s", self.length_aging_tokens_per_s, "a number >= 0")
+        check(
+            self.priority_aging_s > 0,
+            "priority_aging_s",
+            self.priority_aging_s,
+            "a positive number of seconds",
+        )
+        check(
+            self.length_aging_tokens_per_s >= 0,
+            "length_aging_tokens_per_s",
+            self.length_aging_tokens_per_s,
+            "a number >= 0",
+        )

@@ -10,13 +10,13 @@ from tidal.scheduler.cost_model import StepCostModel, StepShape
 
 # A step always has room for this many prefill tokens, so waiting prompts progress even when
 # the decodes alone already cost the whole target (the seat cap then stops admitting more).
-MIN_PREFILL_TOKENS = 16
+MIN_PREFILL_TOKENS = 32
 # Seed-style hysteresis on the measured decode-step time: above SHRINK_ABOVE x target the time
 # the controller plans for shrinks by SHRINK_BY; below GROW_BELOW x target, on a step the budget
 # limited, it grows by GROW_BY. Between the two nothing moves, so noise does not make it hunt.
 SHRINK_ABOVE, GROW_BELOW = 1.2, 0.8
 SHRINK_BY, GROW_BY = 0.9, 1.05
-HEADROOM_MIN, HEADROOM_MAX = 0.3, 1.5
+HEADROOM_MIN, HEADROOM_MAX = 0.5, 1.5
 # Smoothing of the measured decode-step time that the hysteresis reads.
 EMA_ALPHA = 0.3
 # The context a sequence not yet decoding is assumed to bring when sizing the seat cap.
@@ -141,4 +141,4 @@ class BatchController:
         per_seq_s = c[2] + c[3] * per_seq_keys / 1000
         room_s = step_s - c[0] - c[1] * MIN_PREFILL_TOKENS
         seats = cfg.max_num_seqs if per_seq_s <= 0 else int(room_s / per_seq_s)
-        return max(cfg.min_num_seqs, min(cfg.max_num_seqs, seats))
+        return max(min(cfg.min_num_seqs, cfg.max_num_seqs), min(cfg.max_num_seqs, seats))

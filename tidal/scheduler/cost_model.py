@@ -18,6 +18,11 @@ PRIOR_WEIGHT_STEPS = 0.1
 # The typical size of each feature, which puts the prior's weight on the features' own scale.
 _TYPICAL = (1.0, 256.0, 8.0, 64.0)
 _UNBOUNDED = 1 << 30  # "no limit from time": the token ceiling decides
+# A measured step enters the fit clipped to [prediction / CLIP, prediction x CLIP]: one step
+# stalled by a page fault, a first-call compile or a descheduled thread must not drag every
+# coefficient with it, while a real shift (another process taking half the CPU) still moves the
+# fit within a step or two, and a prior that is far off (a GPU) is left in a few steps.
+OUTLIER_CLIP = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +64,7 @@ class StepCostModel:
         self,
         prior_s: tuple[float, float, float, float] = PRIOR_S,
         window: int = 64,
-        decay: float = 0.85,
+        decay: float = 0.9,
     ) -> None:
         if window < 1 or not 0.0 < decay <= 1.0:
             raise ValueError(f"window={window}, decay={decay} is invalid: expected >= 1 and (0, 1]")
@@ -73,6 +78,9 @@ class StepCostModel:
         """Add one measured step and refit (a 4x4 solve: microseconds)."""
         if not (step_s >= 0.0 and math.isfinite(step_s)):
             return  # a clock glitch must not poison the fit
+        predicted_s = self.predict_s(shape)
+        if predicted_s > 0:
+            step_s = min(max(step_s, predicted_s / OUTLIER_CLIP), predicted_s * OUTLIER_CLIP)
         self._steps.append((shape.features(), step_s))
         self.num_observed += 1
         self.coefficients = self._fit()
