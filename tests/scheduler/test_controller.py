@@ -175,6 +175,14 @@ def test_ttft_target_raises_the_prefill_share_only_for_requests_that_can_still_m
     assert missed.reason == "tpot" and missed.prefill_tokens == 80
 
 
+def test_with_nothing_decoding_the_step_is_not_held_to_the_tpot_target() -> None:
+    controller = BatchController(SchedulerConfig(target_tpot_ms=150, max_num_batched_tokens=2048))
+    idle = controller.plan(StepLoad(0, 0, 0))
+    assert (idle.reason, idle.token_budget, idle.prefill_tokens) == ("no-decodes", 2048, 2048)
+    busy = controller.plan(StepLoad(1, 300, 1))
+    assert busy.reason == "tpot" and busy.token_budget < 200
+
+
 def test_auto_budget_on_cpu_without_target_and_fixed_elsewhere() -> None:
     model = StepCostModel(prior_s=(0.01, 0.002, 0.005, 0.0))
     auto = BatchController(SchedulerConfig(), on_cpu=True, model=model).plan(StepLoad(0, 0, 0))

@@ -49,7 +49,8 @@ class StepPlan:
     prefill_tokens: int
     # Why: "fixed" (no target: max_num_batched_tokens), "auto" (CPU, no target: the tokens that
     # fit cpu_budget_step_ms), "tpot" (the tokens that fit the TPOT target), "ttft" (raised so
-    # queued requests meet the TTFT target).
+    # queued requests meet the TTFT target), "no-decodes" (a TPOT target but nothing decoding:
+    # max_num_batched_tokens).
     reason: str
     # The step time the plan aims at (0.0 for "fixed").
     planned_s: float = 0.0
@@ -86,6 +87,11 @@ class BatchController:
         ceiling = cfg.max_num_batched_tokens
         if self.mode == "fixed":
             return StepPlan(ceiling, cfg.max_num_seqs, ceiling - load.num_decodes, "fixed")
+        seats = self._seat_cap(load) if self.mode == "tpot" else cfg.max_num_seqs
+        if self.mode == "tpot" and load.num_decodes == 0:
+            # Nobody decodes: this step's length is nobody's TPOT, only the prompts' TTFT, and
+            # bigger chunks prefill faster. The next step, with decodes, is sized to the target.
+            return StepPlan(ceiling, seats, ceiling, "no-decodes")
         if self.mode == "tpot":
             step_s = cfg.target_tpot_ms / 1000 * self.headroom  # type: ignore[operator]
         else:
@@ -99,7 +105,6 @@ class BatchController:
             if needed > prefill:
                 prefill, reason = needed, "ttft"
         prefill = min(max(prefill, MIN_PREFILL_TOKENS), ceiling - load.num_decodes)
-        seats = self._seat_cap(load, step_s) if self.mode == "tpot" else cfg.max_num_seqs
         return StepPlan(load.num_decodes + prefill, seats, prefill, reason, step_s)
 
     def observe(self, shape: StepShape, step_s: float, plan: StepPlan, filled: bool) -> None:
@@ -114,8 +119,11 @@ class BatchController:
         prev = self.measured_decode_s
         ema = step_s if prev is None else prev + EMA_ALPHA * (step_s - prev)
         self.measured_decode_s = ema
+        floor = min(self.config.min_num_seqs, self.config.max_num_seqs)
+        can_shrink = plan.prefill_tokens > MIN_PREFILL_TOKENS or plan.max_num_seqs > floor
         if ema > SHRINK_ABOVE * target_s:
-            self.headroom = max(HEADROOM_MIN, self.headroom * SHRINK_BY)
+            if can_shrink:  # at the minimum chunk and seat floor, shrinking only loses throughput
+                self.headroom = max(HEADROOM_MIN, self.headroom * SHRINK_BY)
         elif ema < GROW_BELOW * target_s and filled:
             self.headroom = min(HEADROOM_MAX, self.headroom * GROW_BY)
 
@@ -133,9 +141,10 @@ class BatchController:
             needed = max(needed, math.ceil(cumulative / steps))
         return needed
 
-    def _seat_cap(self, load: StepLoad, step_s: float) -> int:
+    def _seat_cap(self, load: StepLoad) -> int:
         """Most sequences whose decodes, with a minimal prefill chunk, fit the planned step."""
         cfg = self.config
+        step_s = cfg.target_tpot_ms / 1000 * self.headroom  # type: ignore[operator]
         c = self.model.coefficients
         per_seq_keys = load.decode_keys / load.num_decodes if load.num_decodes else NEW_SEQ_KEYS
         per_seq_s = c[2] + c[3] * per_seq_keys / 1000
