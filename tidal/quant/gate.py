@@ -182,12 +182,14 @@ def run_gate(
     kv_cache_dtype: str = "auto",
 ) -> GateReport:
     """Score the held-out text with the float model and float KV cache, quantize the weights in
-    place (scheme "none" leaves them) and score again through a `kv_cache_dtype` KV cache.
+    place (scheme "none" leaves them) and score again through a `kv_cache_dtype` KV cache. For
+    the GGUF-block schemes the reference is the file's blocks with float activations.
 
     `model_path` None means the bundled model; `context_tokens` None takes min(the model's context,
     4096); `max_tokens` truncates the held-out text (tests, quick checks)."""
     from tidal.loader.model_loader import load_model
     from tidal.loader.tokenizer import load_tokenizer
+    from tidal.quant.gguf_blocks import set_activations
 
     check_scheme(scheme)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -201,15 +203,17 @@ def run_gate(
         from tidal.loader.bundled import bundled_model_path
 
         model_path = bundled_model_path()
-    loaded = load_model(model_path)
+    native = scheme in NATIVE_SCHEMES
+    # The file's own blocks: one load, scored first with float activations (the dequantized
+    # model up to summation order, no float copy of the weights) as the reference.
+    loaded = load_model(model_path, gguf_blocks=native)
+    if native:
+        set_activations(loaded.model, "f32")
     ids = load_tokenizer(model_path, loaded.arch.family).encode(heldout_text())
     if max_tokens is not None:
         ids = ids[:max_tokens]
     context = context_tokens or min(loaded.arch.max_position_embeddings, 4096)
     ref = score_tokens(loaded.model, loaded.arch, ids, context)
-    if scheme in NATIVE_SCHEMES:  # the file's own blocks: a second load, the float one freed
-        del loaded
-        loaded = load_model(model_path, gguf_blocks=True)
     summary = quantize_model(loaded.model, scheme) if scheme != "none" else None
     quant = score_tokens(loaded.model, loaded.arch, ids, context, kv_cache_dtype=kv_cache_dtype)
     report = compare(ref, quant, mode_name(scheme, kv_cache_dtype), context, threshold_pct)

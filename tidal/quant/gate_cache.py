@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tidal.quant.gate")
 
 # Bump when the gate's arithmetic or held-out scoring changes, so old verdicts stop matching.
-GATE_VERSION = 1
+GATE_VERSION = 2  # 2: GGUF-block schemes are measured against the same blocks in float mode
 
 
 @dataclass(frozen=True, slots=True)
