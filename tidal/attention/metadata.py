@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,26 +49,46 @@ def build_metadata(
     block_size: int,
     device: torch.device,
 ) -> AttentionMetadata:
-    """block_tables[i][g] is sequence i's table in group g, covering at least its context."""
+    """block_tables[i][g] is sequence i's table in group g, covering at least its context.
+
+    Every group's tables and slots come from one tensor each (two host-to-device copies per
+    step, not two per group and sequence): a decode step of 32 sequences over 6 groups built
+    ~200 small tensors before."""
     num_groups = len(block_tables[0]) if block_tables else 0
+    num_seqs = len(query_lens)
     query_start, offset = [], 0
     for n in query_lens:
         query_start.append(offset)
         offset += n
-    groups = []
+    width = max((len(bt[g]) for bt in block_tables for g in range(num_groups)), default=0)
+    width = max(1, width)
+    pad = [0] * width
+    flat: list[int] = []
+    slots: list[int] = []
     for g in range(num_groups):
-        tables = [list(bt[g]) for bt in block_tables]
-        width = max(1, max(len(t) for t in tables))
-        padded = torch.zeros((len(tables), width), dtype=torch.int64)
-        slots: list[int] = []
-        for i, table in enumerate(tables):
-            padded[i, : len(table)] = torch.tensor(table, dtype=torch.int64)
-            start = context_lens[i] - query_lens[i]
-            for pos in range(start, context_lens[i]):
+        for i, bt in enumerate(block_tables):
+            table = bt[g]
+            flat.extend(table)
+            flat.extend(pad[: width - len(table)])
+            for pos in range(context_lens[i] - query_lens[i], context_lens[i]):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
-        groups.append(
-            GroupTables(padded.to(device), torch.tensor(slots, dtype=torch.int64, device=device))
-        )
+    # array -> tensor shares the buffer: ~3x faster than torch.tensor on a list of ints
+    all_tables = torch.frombuffer(array("q", flat), dtype=torch.int64) if flat else _empty()
+    all_slots = torch.frombuffer(array("q", slots), dtype=torch.int64) if slots else _empty()
+    all_tables = all_tables.view(num_groups, num_seqs, width)
+    all_slots = all_slots.view(num_groups, offset)
+    if torch.device(device).type != "cpu":
+        all_tables, all_slots = all_tables.to(device), all_slots.to(device)
+    seq_arrays = (
+        torch.frombuffer(
+            array("i", [*query_start, *query_lens, *context_lens]), dtype=torch.int32
+        ).view(3, num_seqs)
+        if num_seqs
+        else torch.zeros((3, 0), dtype=torch.int32)
+    )
+    if torch.device(device).type != "cpu":
+        seq_arrays = seq_arrays.to(device)
+    groups = [GroupTables(all_tables[g], all_slots[g]) for g in range(num_groups)]
     return AttentionMetadata(
         query_lens=list(query_lens),
         context_lens=list(context_lens),
@@ -75,7 +96,9 @@ def build_metadata(
         groups=groups,
         block_size=block_size,
         all_decode=all(n == 1 for n in query_lens),
-        seq_arrays=torch.tensor(
-            [query_start, list(query_lens), list(context_lens)], dtype=torch.int32, device=device
-        ),
+        seq_arrays=seq_arrays,
     )
+
+
+def _empty() -> torch.Tensor:
+    return torch.zeros(0, dtype=torch.int64)
