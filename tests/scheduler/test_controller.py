@@ -183,6 +183,36 @@ def test_with_nothing_decoding_the_step_is_not_held_to_the_tpot_target() -> None
     assert busy.reason == "tpot" and busy.token_budget < 200
 
 
+def test_decodes_that_banked_slack_allow_a_longer_step() -> None:
+    config = SchedulerConfig(target_tpot_ms=100, max_num_batched_tokens=4096)
+    model = StepCostModel(prior_s=(0.01, 0.001, 0.005, 0.0))
+    controller = BatchController(config, model=model)
+    # One request, 20 tokens after its first in 0.4 s (20 ms each), 30 left: its TPOT stays
+    # within 100 ms if this step takes up to 0.1 * 28 - 0.4 - 7 * 0.015 = 2.295 s.
+    fresh = controller.plan(StepLoad(1, 600, 1, decoding=((20, 0.4, 30),)))
+    assert fresh.reason == "tpot-slack" and fresh.planned_s == pytest.approx(2.295)
+    assert fresh.prefill_tokens == 2280  # (2.295 - 0.015) / 0.001
+    # Two decoders: the one that is behind (its tokens came at 140 ms) decides.
+    behind = controller.plan(StepLoad(2, 1200, 2, decoding=((20, 0.4, 30), (20, 2.8, 30))))
+    assert behind.reason == "tpot" and behind.planned_s == pytest.approx(0.1)
+
+
+def test_decodes_bank_slack_instead_of_an_inefficient_chunk() -> None:
+    config = SchedulerConfig(target_tpot_ms=100, target_ttft_ms=5000, max_num_batched_tokens=4096)
+    model = StepCostModel(prior_s=(0.01, 0.002, 0.005, 0.0))
+    controller = BatchController(config, model=model)
+    # Slack used up (k=8 tokens in 1.4 s): only (0.1 - 0.02) / 0.002 = 40 tokens fit, below an
+    # efficient chunk, and decodes alone take 20 ms: decode only, bank 80 ms.
+    tight = StepLoad(2, 1200, 2, decoding=((8, 1.4, 30), (8, 1.4, 30)))
+    plan = controller.plan(tight)
+    assert (plan.reason, plan.prefill_tokens, plan.token_budget) == ("tpot-bank", 0, 2)
+    # Without decoding figures there is no bank to grow: the minimum chunk, as before.
+    assert controller.plan(StepLoad(2, 1200, 2)).prefill_tokens == 40
+    # A request about to miss its TTFT is not made to wait for the bank.
+    urgent = StepLoad(2, 1200, 2, decoding=tight.decoding, pending_first_tokens=((4.5, 300),))
+    assert controller.plan(urgent).reason == "ttft"
+
+
 def test_auto_budget_on_cpu_without_target_and_fixed_elsewhere() -> None:
     model = StepCostModel(prior_s=(0.01, 0.002, 0.005, 0.0))
     auto = BatchController(SchedulerConfig(), on_cpu=True, model=model).plan(StepLoad(0, 0, 0))

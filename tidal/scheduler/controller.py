@@ -11,6 +11,11 @@ from tidal.scheduler.cost_model import StepCostModel, StepShape
 # A step always has room for this many prefill tokens, so waiting prompts progress even when
 # the decodes alone already cost the whole target (the seat cap then stops admitting more).
 MIN_PREFILL_TOKENS = 32
+# Chunks smaller than this cost ~1.7x more per token on a CPU (measured on the bundled model:
+# 5.0 ms/token at 32, 3.6 at 64, 2.9 at 512, one thread). With a TPOT target, when no larger
+# chunk fits and decode-only steps are cheap, the step decodes only and banks the difference
+# (see _slack_s), so a few steps later a bigger chunk fits.
+MIN_EFFICIENT_CHUNK = 64
 # Seed-style hysteresis on the measured decode-step time: above SHRINK_ABOVE x target the time
 # the controller plans for shrinks by SHRINK_BY; below GROW_BELOW x target, on a step the budget
 # limited, it grows by GROW_BY. Between the two nothing moves, so noise does not make it hunt.
@@ -21,6 +26,11 @@ HEADROOM_MIN, HEADROOM_MAX = 0.5, 1.5
 EMA_ALPHA = 0.3
 # The context a sequence not yet decoding is assumed to bring when sizing the seat cap.
 NEW_SEQ_KEYS = 1024
+# TPOT is a request's mean time per output token, so a decode step may run longer than the
+# target when every decoding request has banked the difference: its tokens so far came faster
+# than the target. The bank counts the tokens so far plus at most this many ahead (assumed to
+# take a decode-only step each): a request that stops early (EOS) was promised little.
+SLACK_HORIZON_TOKENS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +40,9 @@ class StepLoad:
     num_decodes: int  # running requests that will compute one token this step
     decode_keys: int  # keys those decodes attend (their context lengths)
     num_running: int
+    # Per decoding request (TPOT target only): (output tokens after its first, seconds since its
+    # first token, output tokens it may still produce).
+    decoding: tuple[tuple[int, float, int], ...] = ()
     # Tokens already computed of the running prefill served first (its next chunk attends them).
     prefill_start: int = 0
     # (seconds since arrival, prefill tokens left) of each request with no first token yet, in
@@ -49,8 +62,10 @@ class StepPlan:
     prefill_tokens: int
     # Why: "fixed" (no target: max_num_batched_tokens), "auto" (CPU, no target: the tokens that
     # fit cpu_budget_step_ms), "tpot" (the tokens that fit the TPOT target), "ttft" (raised so
-    # queued requests meet the TTFT target), "no-decodes" (a TPOT target but nothing decoding:
-    # max_num_batched_tokens).
+    # queued requests meet the TTFT target), "tpot-slack" (longer than the TPOT target: every
+    # decoding request's mean stays within it, see SLACK_HORIZON_TOKENS), "no-decodes" (a TPOT
+    # target but nothing decoding: max_num_batched_tokens), "tpot-bank" (decodes only: no
+    # efficient chunk fits, the decodes bank slack for a bigger one).
     reason: str
     # The step time the plan aims at (0.0 for "fixed").
     planned_s: float = 0.0
@@ -92,18 +107,27 @@ class BatchController:
             # Nobody decodes: this step's length is nobody's TPOT, only the prompts' TTFT, and
             # bigger chunks prefill faster. The next step, with decodes, is sized to the target.
             return StepPlan(ceiling, seats, ceiling, "no-decodes")
+        reason = self.mode
         if self.mode == "tpot":
             step_s = cfg.target_tpot_ms / 1000 * self.headroom  # type: ignore[operator]
+            slack_s = self._slack_s(load)
+            if slack_s > step_s:
+                step_s, reason = slack_s, "tpot-slack"
         else:
             step_s = cfg.cpu_budget_step_ms / 1000  # type: ignore[operator]
         prefill = self.model.prefill_tokens_within(
             step_s, load.num_decodes, load.decode_keys, load.prefill_start
         )
-        reason = self.mode
         if cfg.target_ttft_ms is not None:
             needed = self._ttft_tokens(load, step_s)
             if needed > prefill:
                 prefill, reason = needed, "ttft"
+        banking = self.mode == "tpot" and reason != "ttft" and load.decoding
+        if banking and prefill < MIN_EFFICIENT_CHUNK:
+            decode_s = self.model.predict_s(StepShape(0, load.num_decodes, load.decode_keys))
+            target_s = cfg.target_tpot_ms / 1000 * self.headroom  # type: ignore[operator]
+            if decode_s < target_s / 2:  # each decode-only step banks at least half a target
+                return StepPlan(load.num_decodes, seats, 0, "tpot-bank", step_s)
         prefill = min(max(prefill, MIN_PREFILL_TOKENS), ceiling - load.num_decodes)
         return StepPlan(load.num_decodes + prefill, seats, prefill, reason, step_s)
 
@@ -126,6 +150,28 @@ class BatchController:
                 self.headroom = max(HEADROOM_MIN, self.headroom * SHRINK_BY)
         elif ema < GROW_BELOW * target_s and filled:
             self.headroom = min(HEADROOM_MAX, self.headroom * GROW_BY)
+
+    def _slack_s(self, load: StepLoad) -> float:
+        """The longest step that keeps every decoding request's TPOT (mean seconds per output
+        token after the first) within the target:
+
+            k tokens after the first in e seconds so far, this step s, then h - 1 decode-only
+            steps of d each (h = min(tokens left, SLACK_HORIZON_TOKENS)):
+                (e + s + (h - 1) d) / (k + h) <= target
+            =>  s <= target (k + h) - e - (h - 1) d
+
+        0.0 when nothing decodes or a request has no token left to bank on."""
+        if not load.decoding:
+            return 0.0
+        target_s = self.config.target_tpot_ms / 1000 * self.headroom  # type: ignore[operator]
+        d = self.model.predict_s(StepShape(0, load.num_decodes, load.decode_keys))
+        slack = math.inf
+        for k, elapsed_s, left in load.decoding:
+            h = min(left, SLACK_HORIZON_TOKENS)
+            if h <= 0:
+                return 0.0
+            slack = min(slack, target_s * (k + h) - elapsed_s - (h - 1) * d)
+        return max(0.0, slack)
 
     def _ttft_tokens(self, load: StepLoad, step_s: float) -> int:
         """Prefill tokens per step that let every pending request that can still meet the TTFT

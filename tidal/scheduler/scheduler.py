@@ -255,6 +255,17 @@ class Scheduler:
         """The controller's view of the work before this step is built."""
         decodes = [r for r in self._running if r.num_uncomputed_tokens == 1]
         prefills = [r for r in self._running if r.num_uncomputed_tokens > 1]
+        decoding: list[tuple[int, float, int]] = []
+        if self.config.target_tpot_ms is not None:
+            for r in decodes:
+                if r.first_token_time_s is None:
+                    continue
+                max_tokens = r.sampling_params.max_tokens
+                left = (max_tokens if max_tokens is not None else 1 << 30) - r.num_output_tokens
+                if r.max_model_len is not None:
+                    left = min(left, r.max_model_len - r.num_tokens)
+                elapsed_s = now - r.first_token_time_s
+                decoding.append((r.num_output_tokens - 1, elapsed_s, left))
         pending: list[tuple[float, int]] = []
         if self.config.target_ttft_ms is not None:
             for r in self._running:
@@ -267,6 +278,7 @@ class Scheduler:
             num_decodes=len(decodes),
             decode_keys=sum(r.num_computed_tokens + 1 for r in decodes),
             num_running=len(self._running),
+            decoding=tuple(decoding),
             prefill_start=prefills[0].num_computed_tokens if prefills else 0,
             pending_first_tokens=tuple(pending),
         )
