@@ -78,6 +78,8 @@ class BatchController:
     With target_tpot_ms the step may take `target x headroom`: the decodes' predicted time
     first, prefill chunks in what remains. `headroom` starts at 1 and is the hysteresis state:
     it corrects a cost model that is off (the measured time, not the prediction, is the target).
+    TPOT is a request's mean, so the step may take longer while every decoding request has
+    banked slack (_slack_s), and decodes alone when only an inefficient chunk would fit.
     With target_ttft_ms the prefill share rises when, at the planned rate, a request still
     waiting for its first token would miss the target. Without targets on a CPU the budget is
     what fits cpu_budget_step_ms; elsewhere it is max_num_batched_tokens, as before.
