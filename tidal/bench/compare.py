@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     traces = traces_from_args(args, len(loads))
     model = Path(args.model) if args.model else None
     log_dir = Path(
-        args.log_dir or (Path(args.json).parent if args.json else "/tmp") / "compare_logs"
+        args.log_dir or (Path(args.json).parent if args.json else Path("/tmp")) / "compare_logs"
     )
     log_dir.mkdir(parents=True, exist_ok=True)
     runs: list[RunStats] = []
