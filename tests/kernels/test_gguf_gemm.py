@@ -23,7 +23,7 @@ from tidal.kernels.bench_gguf import random_blocks
 pytestmark = pytest.mark.skipif(not gg.available(), reason="no C compiler: the torch fallback runs")
 
 ISAS = gg.isas() if gg.available() else []
-TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL)
 QUANTIZABLE = (Q.Q8_0, Q.Q4_0, Q.Q5_0)  # gguf-py 0.x quantizes these; K-quants are random blocks
 F32_TOL, Q8_TOL = 1e-5, 1e-5
 

@@ -170,9 +170,9 @@ def test_bundled_one_tensor_per_type() -> None:
                 assert torch.equal(full, ours)
 
 
-def test_types_without_a_block_kernel_load_as_float_in_block_mode(tmp_path) -> None:
-    """A GGUF's IQ4 matrices load in the native-block mode too: the kernels read Q8_0 (a block
-    weight), the IQ4 tensors come out dequantized to float32 (exactly gguf's values)."""
+def test_block_mode_keeps_what_the_kernels_read_and_decodes_the_rest(tmp_path) -> None:
+    """A GGUF's IQ4 matrices load in the native-block mode too: the kernels read Q8_0 and IQ4_NL
+    (block weights, decoding to exactly gguf's values), IQ4_XS comes out dequantized to float32."""
     from types import SimpleNamespace
 
     from tidal.kernels.gguf_gemm import SUPPORTED_TYPES, BlockWeight
@@ -196,7 +196,11 @@ def test_types_without_a_block_kernel_load_as_float_in_block_mode(tmp_path) -> N
     writer.close()
     arch = SimpleNamespace(family="qwen2")
     loaded = dict(iter_gguf_weights(tmp_path / "m.gguf", arch, "qwen2", keep_blocks=lambda _: True))
-    assert int(GGMLType.IQ4_NL) not in SUPPORTED_TYPES  # else this test checks nothing
+    assert int(GGMLType.IQ4_XS) not in SUPPORTED_TYPES  # else this test checks nothing
     assert isinstance(loaded["model.layers.0.mlp.gate_proj.weight"], BlockWeight)
-    _check(loaded["model.layers.0.mlp.up_proj.weight"], packed["blk.0.ffn_up.weight"], "IQ4_NL")
+    up = loaded["model.layers.0.mlp.up_proj.weight"]
+    assert isinstance(up, BlockWeight) and up.ggml_type == int(GGMLType.IQ4_NL)
+    from tidal.quant.gguf_blocks import decode_rows
+
+    _check(decode_rows(up, 0, up.rows), packed["blk.0.ffn_up.weight"], "IQ4_NL")
     _check(loaded["model.layers.0.mlp.down_proj.weight"], packed["blk.0.ffn_down.weight"], "IQ4_XS")

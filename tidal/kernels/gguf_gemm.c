@@ -13,6 +13,8 @@
  *   Q6_K  210 B / 256: ql[128] | qh[64] | sc int8[16] | d f16, in halves of 128 values: ql byte l
  *                      (l < 64) holds q[l] (low nibble), q[l+64]; qh byte l (l < 32) bits 2t, 2t+1
  *                      are bits 4-5 of q[l+32t]                                  v = d*sc_{i/16}*(q-32)
+ *   IQ4_NL 18 B / 32:  d f16 | qs[16] as Q4_0                                   v = d*K[q], K a
+ *                      fixed 16-entry int8 table (a byte shuffle on AVX2)
  *
  * act F32: weights are decoded in registers and meet float32 x in FMAs: the float32 matmul with
  *   the dequantized weights, up to summation order (a 32-block's d, and Q6_K's d*sc per 16 values,
@@ -43,7 +45,11 @@
 #define HAVE_AVX2 1
 #endif
 
-enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14 };
+enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20 };
+#define N_TYPES (T_IQ4_NL + 1)
+/* IQ4_NL: Q4_0's layout, each 4-bit code an index into this non-linear table (v = d * K[code]) */
+static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                        1,    13,   25,  38,  53,  69,  89,  113};
 enum { ACT_F32 = 0, ACT_Q8 = 1 };
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1 };
 enum { ERR_TYPE = -1, ERR_SHAPE = -2, ERR_ISA = -3, ERR_NOMEM = -4 };
@@ -59,7 +65,7 @@ enum { ERR_TYPE = -1, ERR_SHAPE = -2, ERR_ISA = -3, ERR_NOMEM = -4 };
 /* 0 for a type this file does not multiply */
 int tidal_gguf_block_elems(int type) {
     switch (type) {
-    case T_Q4_0: case T_Q5_0: case T_Q8_0: return 32;
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL: return 32;
     case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
     default: return 0;
     }
@@ -67,7 +73,7 @@ int tidal_gguf_block_elems(int type) {
 
 static int block_bytes(int type) {
     switch (type) {
-    case T_Q4_0: return 18; case T_Q5_0: return 22; case T_Q8_0: return 34;
+    case T_Q4_0: case T_IQ4_NL: return 18; case T_Q5_0: return 22; case T_Q8_0: return 34;
     case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
     default: return 0;
     }
@@ -160,6 +166,11 @@ static void k_decode_scalar(int type, const uint8_t *b, kblock *k) {
 static float b32_decode_scalar(int type, const uint8_t *b, int8_t *q) {
     if (type == T_Q8_0) {
         memcpy(q, b + 2, 32);
+    } else if (type == T_IQ4_NL) {
+        for (int j = 0; j < 16; j++) {
+            q[j] = IQ4NL_VALUES[b[2 + j] & 0xF];
+            q[j + 16] = IQ4NL_VALUES[b[2 + j] >> 4];
+        }
     } else {
         const uint8_t *qs = b + (type == T_Q5_0 ? 6 : 2);
         uint32_t qh = 0;
@@ -288,6 +299,10 @@ ALWAYS __m256i b32_decode_avx2(int type, const uint8_t *b, float *d) {
     *d = half_f16c(b);
     if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
     if (type == T_Q4_0) return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
+    if (type == T_IQ4_NL) { /* a byte shuffle looks every code up in the table (both lanes) */
+        __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4NL_VALUES));
+        return _mm256_shuffle_epi8(table, nibbles(b + 2));
+    }
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
     /* q - 16 as int8: the nibble where bit 4 is set, nibble | 0xF0 (= nibble - 16) where not */
@@ -589,19 +604,21 @@ static void quant_x_avx2(const float *x, int64_t K, int group, uint8_t *dst) {
 #define TYPES(act, isa, T, b32, kq)                                                             \
     T(q8_0_##act##_##isa, b32, T_Q8_0) T(q4_0_##act##_##isa, b32, T_Q4_0)                       \
     T(q5_0_##act##_##isa, b32, T_Q5_0) T(q4_k_##act##_##isa, kq, T_Q4_K)                        \
-    T(q5_k_##act##_##isa, kq, T_Q5_K) T(q6_k_##act##_##isa, kq, T_Q6_K)
+    T(q5_k_##act##_##isa, kq, T_Q5_K) T(q6_k_##act##_##isa, kq, T_Q6_K)                         \
+    T(iq4_nl_##act##_##isa, b32, T_IQ4_NL)
 #define TABLE(act, isa)                                                                         \
     [T_Q8_0] = q8_0_##act##_##isa, [T_Q4_0] = q4_0_##act##_##isa,                               \
     [T_Q5_0] = q5_0_##act##_##isa, [T_Q4_K] = q4_k_##act##_##isa,                               \
-    [T_Q5_K] = q5_k_##act##_##isa, [T_Q6_K] = q6_k_##act##_##isa
+    [T_Q5_K] = q5_k_##act##_##isa, [T_Q6_K] = q6_k_##act##_##isa,                              \
+    [T_IQ4_NL] = iq4_nl_##act##_##isa
 
 TYPES(f32, scalar, SCALAR_TILE, b32_f32_row, k_f32_row)
 TYPES(q8, scalar, SCALAR_TILE, b32_q8_row, k_q8_row)
-static const tile_fn SCALAR[2][T_Q6_K + 1] = {{TABLE(f32, scalar)}, {TABLE(q8, scalar)}};
+static const tile_fn SCALAR[2][N_TYPES] = {{TABLE(f32, scalar)}, {TABLE(q8, scalar)}};
 #ifdef HAVE_AVX2
 TYPES(f32, avx2, TILE, b32_f32_avx2, k_f32_avx2)
 TYPES(q8, avx2, TILE, b32_q8_avx2, k_q8_avx2)
-static const tile_fn AVX2[2][T_Q6_K + 1] = {{TABLE(f32, avx2)}, {TABLE(q8, avx2)}};
+static const tile_fn AVX2[2][N_TYPES] = {{TABLE(f32, avx2)}, {TABLE(q8, avx2)}};
 #endif
 
 static tile_fn pick(int isa, int act, int type) {
@@ -753,6 +770,7 @@ static void dequant_row_avx2(int type, const uint8_t *w, int64_t nb, float *out)
     case T_Q8_0: dequant_row_avx2_t(T_Q8_0, w, nb, out); break;
     case T_Q4_0: dequant_row_avx2_t(T_Q4_0, w, nb, out); break;
     case T_Q5_0: dequant_row_avx2_t(T_Q5_0, w, nb, out); break;
+    case T_IQ4_NL: dequant_row_avx2_t(T_IQ4_NL, w, nb, out); break;
     case T_Q4_K: dequant_row_avx2_t(T_Q4_K, w, nb, out); break;
     case T_Q5_K: dequant_row_avx2_t(T_Q5_K, w, nb, out); break;
     default: dequant_row_avx2_t(T_Q6_K, w, nb, out); break;

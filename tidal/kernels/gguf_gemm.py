@@ -21,6 +21,7 @@ _BLOCKS: dict[int, tuple[str, int, int]] = {
     12: ("Q4_K", 256, 144),
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
+    20: ("IQ4_NL", 32, 18),
 }
 SUPPORTED_TYPES: frozenset[int] = frozenset(_BLOCKS)
 MAX_SEGMENTS = 4
