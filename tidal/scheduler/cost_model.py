@@ -6,6 +6,8 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 # Coefficient names, in the order of StepShape.features(): what each one second-count multiplies.
 TERMS = ("base", "per_prefill_token", "per_decode_seq", "per_1k_attended_keys")
 # Before any step is measured: the bundled Gemma 3 270M on a 2-core AVX2 CPU (a decode step of one
@@ -110,27 +112,29 @@ class StepCostModel:
 
     def _fit(self) -> tuple[float, ...]:
         n = len(TERMS)
+        ata, aty = self._normal_equations()
         active = list(range(n))
         while True:
-            coef = self._solve(active)
+            coef = self._solve(ata, aty, active)
             negative = [i for i in active if coef[i] < 0]
             if not negative:
                 return tuple(coef)
             # Drop the most negative term (cost 0) and refit the rest: a tiny active-set NNLS.
             active.remove(min(negative, key=lambda i: coef[i]))
 
-    def _solve(self, active: list[int]) -> list[float]:
+    def _normal_equations(self) -> tuple[np.ndarray, np.ndarray]:
+        """Weighted X^T X and X^T y over the window, newest step weight 1 (float64, one pass in
+        numpy: the Python loop it replaces took ~0.4 ms, 2% of a decode step)."""
+        xs = np.array([x for x, _ in self._steps], dtype=np.float64)  # oldest first
+        ys = np.array([y for _, y in self._steps], dtype=np.float64)
+        w = self.decay ** np.arange(len(ys) - 1, -1, -1, dtype=np.float64)
+        xw = xs * w[:, None]
+        return xw.T @ xs, xw.T @ ys
+
+    def _solve(self, ata_all: np.ndarray, aty_all: np.ndarray, active: list[int]) -> list[float]:
         """Weighted ridge normal equations over the active terms; inactive terms are 0."""
-        m = len(active)
-        ata = [[0.0] * m for _ in range(m)]
-        aty = [0.0] * m
-        weight = 1.0
-        for x, y in reversed(self._steps):  # newest first
-            for a, i in enumerate(active):
-                aty[a] += weight * x[i] * y
-                for b, j in enumerate(active):
-                    ata[a][b] += weight * x[i] * x[j]
-            weight *= self.decay
+        ata = [[float(ata_all[i, j]) for j in active] for i in active]
+        aty = [float(aty_all[i]) for i in active]
         for a, i in enumerate(active):
             ridge = PRIOR_WEIGHT_STEPS * _TYPICAL[i] ** 2
             ata[a][a] += ridge
