@@ -46,23 +46,51 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "0 or -1 (disabled) or a positive integer")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "a number in [0, 1]")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "a number in [-2, 2]")
-        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "a number in [-2, 2]")
-        _check(0.0 < self.repetition_penalty <= 10.0, "repetition_penalty", self.repetition_penalty, "a number in (0, 10]")
-        _check(self.max_tokens is None or self.max_tokens >= 0, "max_tokens", self.max_tokens, "an integer >= 0 or None")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            self.presence_penalty,
+            "a number in [-2, 2]",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "a number in [-2, 2]",
+        )
+        _check(
+            0.0 < self.repetition_penalty <= 10.0,
+            "repetition_penalty",
+            self.repetition_penalty,
+            "a number in (0, 10]",
+        )
+        _check(
+            self.max_tokens is None or self.max_tokens >= 0,
+            "max_tokens",
+            self.max_tokens,
+            "an integer >= 0 or None",
+        )
         _check(self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            "min_tokens", self.min_tokens, f"at most max_tokens ({self.max_tokens})",
+            "min_tokens",
+            self.min_tokens,
+            f"at most max_tokens ({self.max_tokens})",
         )
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings"
+        )
         _check(
             self.logprobs is None or 0 <= self.logprobs <= _MAX_LOGPROBS,
-            "logprobs", self.logprobs, f"an integer in [0, {_MAX_LOGPROBS}]",
+            "logprobs",
+            self.logprobs,
+            f"an integer in [0, {_MAX_LOGPROBS}]",
         )
         _check(
             self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= _MAX_LOGPROBS,
-            "prompt_logprobs", self.prompt_logprobs, f"an integer in [0, {_MAX_LOGPROBS}]",
+            "prompt_logprobs",
+            self.prompt_logprobs,
+            f"an integer in [0, {_MAX_LOGPROBS}]",
         )
 
     @property
