@@ -262,6 +262,7 @@ def test_parse_errors_name_the_param(
         ({"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "top_logprobs=21 is invalid: expected an integer in [0, 20]"),
         ({"messages": USER, "presence_penalty": 3.0}, "presence_penalty", "in [-2, 2]"),
         ({"messages": USER, "n": 0}, "n", "n=0 is invalid"),
+        ({"messages": USER, "n": 100000}, "n", "n=100000 is invalid: expected an integer in [1, 128]"),
         ({"messages": USER, "max_tokens": 2, "min_tokens": 3}, "min_tokens", "at most max_tokens (2)"),
     ],
 )  # fmt: skip
