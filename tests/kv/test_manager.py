@@ -232,6 +232,30 @@ def test_session_blocks_outlive_anonymous_ones() -> None:
     assert_pool_clean(kv)
 
 
+def test_session_bookkeeping_forgets_sessions_without_blocks(monkeypatch) -> None:
+    """Every session id ever seen used to stay in the manager; sessions whose blocks are gone
+    (and with no live request) are forgotten, those still holding blocks keep their turns."""
+    from tidal.kv import manager
+
+    monkeypatch.setattr(manager, "SESSION_PRUNE_MIN", 4)
+    kv = make_kv(5, session_turns=1)
+    kept = make_request("kept-0", list(range(100, 108)), session_id="kept")
+    step(kv, kept, 8)
+    kv.free(kept)  # block 1 cached for session "kept", turn 0
+    for i in range(40):  # one-block sessions that evict each other (3 free blocks besides 1)
+        r = make_request(f"r{i}", [1000 + i] * 4, session_id=f"s{i}")
+        step(kv, r, 4)  # a partial block: uncached, so it holds no session after free
+        kv.free(r)
+    assert len(kv._sessions) < 8  # pruned as it grew, not 41
+    assert "kept" in kv._sessions and kv.pool.latest_turn["kept"] == 0
+    again = make_request("kept-1", list(range(100, 108)) + [5], session_id="kept")
+    assert kv.get_computed_blocks(again) == 8  # its cached block is still found
+    step(kv, again, 1, 8)
+    assert kv._sessions["kept"][0] == 2  # turn numbering went on: this is turn 1
+    kv.free(again)
+    assert_pool_clean(kv)
+
+
 def test_validation_and_sizing() -> None:
     kv = make_kv(8)
     a = make_request("a", list(range(20)))

@@ -42,6 +42,11 @@ class _RequestBlocks:
     session_turn: int
 
 
+# Session bookkeeping is pruned once it holds at least this many sessions (and twice as many as
+# after the last prune).
+SESSION_PRUNE_MIN = 1024
+
+
 class KVCacheManager:
     """Block tables per request and KV group; `None` from allocate_slots means "does not fit".
 
@@ -73,8 +78,10 @@ class KVCacheManager:
         self._reqs: dict[str, _RequestBlocks] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._queried: set[str] = set()
-        # Per session: next turn number, and request id -> turn of its latest turns.
+        # Per session: next turn number, and request id -> turn of its latest turns. Sessions
+        # that no block and no live request refers to are pruned (see _prune_sessions).
         self._sessions: dict[str, tuple[int, OrderedDict[str, int]]] = {}
+        self._sessions_after_prune = 0
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -304,6 +311,20 @@ class KVCacheManager:
             ids = [t[b] for t in state.tables if b < len(t) and t[b] != NULL_BLOCK]
             if ids:
                 self.pool.release(ids, state.session_id, state.session_turn)
+        if len(self._sessions) >= max(SESSION_PRUNE_MIN, 2 * self._sessions_after_prune):
+            self._prune_sessions()
+
+    def _prune_sessions(self) -> None:
+        """Forget sessions that no block and no live request refers to, so the bookkeeping does
+        not grow with every session id a long-running server has seen. A forgotten session that
+        returns starts its turns again at 0: it has no blocks left to rank. One scan of the pool,
+        run when the count has doubled since the last prune (amortized O(1) per request)."""
+        live = {b.session_id for b in self.pool.blocks if b.session_id is not None}
+        live.update(st.session_id for st in self._reqs.values() if st.session_id is not None)
+        for session_id in [s for s in self._sessions if s not in live]:
+            del self._sessions[session_id]
+            self.pool.latest_turn.pop(session_id, None)
+        self._sessions_after_prune = len(self._sessions)
 
     def block_tables(self, request: Request) -> list[list[int]]:
         """Copies of the request's per-group block tables (empty lists before its first allocation)."""
