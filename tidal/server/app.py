@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 
 from fastapi import FastAPI
@@ -40,6 +40,8 @@ _FAILED_CODES = ("engine_restarted", "engine_unavailable")
 _WARMUP_PROMPT = "Hello"
 # The signal handler only sets state.draining; the drain cut notices it within this long.
 _DRAIN_POLL_S = 0.1
+# Waits between warm-up attempts after a failure (the last one repeats).
+_WARM_RETRY_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
 async def warm_up(state: ServerState) -> None:
@@ -204,14 +206,27 @@ async def _cut_drain(state: ServerState) -> None:
             log.warning("drain timeout: ended %d requests still running", num)
 
 
-async def _warm(state: ServerState) -> None:
-    try:
-        if state.config.server.warmup:
-            await warm_up(state)
-        state.warm = True
-        state.engine.ready = True
-        log.info("warm-up done")
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("warm-up failed; /ready stays 503")
+async def _warm(
+    state: ServerState, sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+) -> None:
+    """Warm up, then mark the server ready. A failed warm-up (an engine that crashed and is
+    being restarted, say) is retried with backoff while /ready says 503, rather than leaving the
+    server unready for good."""
+    attempt = 0
+    while not state.draining:
+        try:
+            if state.config.server.warmup:
+                await warm_up(state)
+            state.warm = True
+            state.engine.ready = True
+            log.info("warm-up done")
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            delay = _WARM_RETRY_S[min(attempt, len(_WARM_RETRY_S) - 1)]
+            attempt += 1
+            log.exception(
+                "warm-up failed (attempt %d); /ready stays 503, retrying in %.0f s", attempt, delay
+            )
+            await sleep(delay)
