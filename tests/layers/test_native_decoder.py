@@ -116,13 +116,13 @@ def test_stack_matches_the_per_layer_path_bit_for_bit(tiny_models, family, act, 
     loaded = tiny_models[family]
     model = loaded.model
     set_activations(model, act)
-    model.model.native._key = None  # rebuilt with this test's ISA
+    model.model.native.reset()  # rebuilt with this test's ISA
     try:
         ref, ref_pages, ran_ref = _run(model, loaded.arch, kv_dtype, native=False)
         ours, pages, ran = _run(model, loaded.arch, kv_dtype, native=True)
     finally:
         set_activations(model, "f32")
-        model.model.native._key = None
+        model.model.native.reset()
     assert ran_ref == 0
     assert ran == len(_schedule())  # every step took the C stack
     for step, (a, b) in enumerate(zip(ours, ref)):

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from tidal.kernels.build import load
+from tidal.kernels.paged_attention import ISA_NAMES  # the same codes: scalar 0, avx2 1
 
 ACT_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
 MAX_ROPES = 4
 MAX_GROUPS = 16
 TIME_SLOTS = ("gemm", "attention", "norm_rope", "act_add")
-_ISA_NAMES = {"scalar": 0, "avx2": 1}
 _word = ctypes.c_void_p
 
 # One layer's constants (layer_t in decoder.c), packed once per model and KV pool.
@@ -84,11 +84,9 @@ def default_isa() -> int:
     name = os.environ.get("TIDAL_KERNEL_ISA", "").strip().lower()
     if not name:
         return best
-    if name not in _ISA_NAMES:
-        raise ValueError(
-            f"TIDAL_KERNEL_ISA={name!r} is invalid: expected one of {list(_ISA_NAMES)}"
-        )
-    return min(best, _ISA_NAMES[name])
+    if name not in ISA_NAMES:
+        raise ValueError(f"TIDAL_KERNEL_ISA={name!r} is invalid: expected one of {list(ISA_NAMES)}")
+    return min(best, ISA_NAMES[name])
 
 
 def gated_act(gate_up: torch.Tensor, inter: int, act: str) -> torch.Tensor | None:
@@ -171,7 +169,7 @@ class DecoderStack:
         for spec in self._layers:
             if not 0 <= spec.rope < MAX_ROPES or not 0 <= spec.group < MAX_GROUPS:
                 raise ValueError(f"rope {spec.rope} / group {spec.group} out of range")
-            ptr = _ptr
+            ptr = _ptr  # a local name: the pack below reads as a table
             packed += LAYER.pack(
                 *spec.qkv, ptr(spec.qkv_bias),
                 *spec.o, *spec.gate_up, *spec.down,

@@ -44,8 +44,14 @@ class NativeDecoder:
         self.rope_types = list(rope_types)
         self.enabled = _enabled_by_env()
         self._key: tuple | None = None
+        self._fast_key: tuple | None = None
         self._stack: kernel.DecoderStack | None = None
+        self._gemm_act = "f32"
         self.steps = 0  # steps the C stack ran (for tests and the profile)
+
+    def reset(self) -> None:
+        """Rebuild the stack at the next step (after the kernels' ISA setting changed)."""
+        self._key = self._fast_key = self._stack = None
 
     @property
     def stack(self) -> kernel.DecoderStack | None:
@@ -94,6 +100,12 @@ class NativeDecoder:
     def _stack_for(self, kv_caches: list) -> kernel.DecoderStack | None:
         first = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
         act = first.act if isinstance(first, GGUFLinear) else None
+        # Per step only the cheap check: the runner passes the same list over one pool, whose
+        # layer-0 pages pin it; anything else compares every layer's pages.
+        fast = (act, id(kv_caches), _pages_key(kv_caches[0]) if kv_caches else None)
+        if fast == self._fast_key:
+            return self._stack
+        self._fast_key = fast
         key = (act, *(_pages_key(kv) for kv in kv_caches))
         if key != self._key:
             self._key = key
