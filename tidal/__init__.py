@@ -10,7 +10,7 @@ __all__ = ["LLM", "SamplingParams", "RequestOutput"]
 if TYPE_CHECKING:
     from tidal.engine.llm import LLM
     from tidal.engine.output import RequestOutput
-    from tidal.engine.sampling_params import SamplingParams
+    from tidal.sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:
@@ -20,7 +20,7 @@ def __getattr__(name: str) -> Any:
 
         return LLM
     if name == "SamplingParams":
-        from tidal.engine.sampling_params import SamplingParams
+        from tidal.sampling_params import SamplingParams
 
         return SamplingParams
     if name == "RequestOutput":

@@ -54,8 +54,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    from tidal.kv.layout import KV_CACHE_DTYPES
-    from tidal.quant.registry import SCHEMES
+    from tidal.config.cache import KV_CACHE_DTYPES
+    from tidal.config.quant import SCHEMES
 
     p.add_argument(
         "--quantization",
@@ -128,7 +128,7 @@ def _build(args: argparse.Namespace) -> Any:
 
 
 def _params(args: argparse.Namespace) -> Any:
-    from tidal.engine.sampling_params import SamplingParams
+    from tidal.sampling_params import SamplingParams
 
     return SamplingParams(
         temperature=args.temperature,
@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
         cli_bench = None  # type: ignore[assignment]
     if cli_bench is not None:
         cli_bench.add_parser(sub)
-    from tidal.quant import gate
+    from tidal.worker import gate
 
     gate.add_parser(sub)  # `tidal quantize-check --quantization int8`
     return parser

@@ -134,7 +134,7 @@ def serve(cfg: TidalConfig) -> int:
 
 def _supervised_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model root, len, vocab)
     """Start the engine process (blocking until it is loaded) with the metrics hooked to it."""
-    from tidal.engine.client import EngineClient
+    from tidal.client.engine_client import EngineClient
     from tidal.supervisor.restart_policy import RestartPolicy
 
     server = cfg.server

@@ -13,8 +13,8 @@ from tests.engine.engine_util import (
 )
 from tests.kv.pool_check import FakeClock, assert_pool_clean
 from tidal.engine.output import RequestOutput
-from tidal.engine.sampling_params import SamplingParams
 from tidal.engine.stats import StepStats
+from tidal.sampling_params import SamplingParams
 
 BLOCK = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)

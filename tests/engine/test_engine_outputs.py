@@ -16,7 +16,7 @@ from tests.kv.pool_check import assert_pool_clean
 from tests.models.paged import PagedBatch
 from tidal.engine.core import EngineCore
 from tidal.engine.output import Logprob, RequestOutput
-from tidal.engine.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams
 
 TEXT = "The tide comes in and the tide goes out."
 # With this seed the tiny model writes "\ufffdgingin\r\r..." (tokens "gin", "gin" early on).

@@ -18,8 +18,8 @@ from tidal.engine.messages import (
     StepOutputs,
 )
 from tidal.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from tidal.engine.sampling_params import SamplingParams
 from tidal.engine.stats import StepStats
+from tidal.sampling_params import SamplingParams
 
 _STATS = StepStats(
     num_scheduled_tokens=7, token_budget=64, batch_utilization=7 / 64, num_scheduled_seqs=2,

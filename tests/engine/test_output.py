@@ -6,9 +6,9 @@ import itertools
 
 from tests.engine.tokenizers_fixture import byte_level_bpe
 from tidal.engine.output import Logprob, OutputState, StepDelta, make_logprobs
-from tidal.engine.request import Request, RequestStatus
-from tidal.engine.sampling_params import SamplingParams
 from tidal.engine.stop import StopChecker
+from tidal.request import Request, RequestStatus
+from tidal.sampling_params import SamplingParams
 
 TOK = byte_level_bpe()
 EOS = TOK.token_id("</s>")

@@ -19,11 +19,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.tiny_server import ServerProcess
+from tidal.client.engine_client import _SPAWN_OVERHEAD_S, EngineClient, EngineInterrupted
 from tidal.config.engine import EngineConfig
 from tidal.config.model import ModelConfig
-from tidal.engine.client import _SPAWN_OVERHEAD_S, EngineClient, EngineInterrupted
 from tidal.engine.messages import EngineReady
-from tidal.engine.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams
 from tidal.supervisor.restart_policy import RestartPolicy
 
 KV_BYTES = str(4 << 20)

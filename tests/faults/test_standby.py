@@ -16,7 +16,7 @@ from tidal.config.cache import CacheConfig
 from tidal.config.engine import EngineConfig
 from tidal.config.model import ModelConfig
 from tidal.engine.messages import AddRequest, EngineReady, StepOutputs
-from tidal.engine.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams
 from tidal.supervisor.handle import EngineHandle
 from tidal.supervisor.restart_policy import RestartPolicy
 from tidal.supervisor.standby import StartEngine

@@ -174,7 +174,7 @@ def test_dequantize_is_bit_exact(isa: str, t: Q) -> None:
 
 
 def test_block_table_matches_the_loader() -> None:
-    from tidal.loader.gguf_file import BLOCK_SIZES, GGMLType
+    from tidal.quant.gguf_types import BLOCK_SIZES, GGMLType
 
     for t, (name, elems, nbytes) in gg._BLOCKS.items():
         assert GGMLType(t).name == name and BLOCK_SIZES[GGMLType(t)] == (elems, nbytes)

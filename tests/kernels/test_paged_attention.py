@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from tidal.attention.cpu_paged import CpuPagedAttention
-from tidal.attention.metadata import build_metadata
-from tidal.attention.torch_paged import TorchPagedAttention
-from tidal.kernels import paged_attention as pa
-from tidal.quant.kv_quant import (
+from tidal.attention.kv_quant import (
     QuantizedKV,
     allocate_quantized_pool,
     dequantize_kv,
     quantize_kv,
 )
+from tidal.attention.metadata import build_metadata
+from tidal.attention.torch_paged import TorchPagedAttention
+from tidal.kernels import paged_attention as pa
 
 pytestmark = pytest.mark.skipif(not pa.available(), reason="no C compiler: the reference runs")
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from tidal.engine.request import Request
-from tidal.engine.sampling_params import SamplingParams
 from tidal.kv.manager import KVCacheManager
+from tidal.request import Request
+from tidal.sampling_params import SamplingParams
 
 
 class FakeClock:

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from tests.loader.test_weight_cache import write_tiny_quantized_gemma
 from tests.models.paged import PagedBatch
 from tests.models.test_gguf_models import _hf_model, write_gguf
+from tidal.attention.kv_quant import QuantizedKV
 from tidal.kernels import decoder, gguf_gemm, paged_attention
 from tidal.kv.layout import KVLayout
 from tidal.loader.model_loader import load_model
 from tidal.quant.gguf_blocks import set_activations
-from tidal.quant.kv_quant import QuantizedKV
 from tidal.worker.kv_cache import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(not decoder.available(), reason="no C compiler")

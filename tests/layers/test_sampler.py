@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from tidal.engine.sampling_params import SamplingParams
 from tidal.layers.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
+from tidal.sampling_params import SamplingParams
 
 V = 8
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.loader.gguf_file import GGMLType, GGUFFile
+from tidal.loader.gguf_file import GGUFFile
+from tidal.quant.gguf_types import GGMLType
 
 BUNDLED_CACHE_PATH = Path("/root/.cache/tidal/gemma-3-270m-q4_k_m.gguf")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from tidal.attention.metadata import build_metadata
+from tidal.config.arch import ArchConfig
 from tidal.kv.layout import KVLayout
-from tidal.models.arch import ArchConfig
 from tidal.worker.kv_cache import allocate_kv_caches
 
 

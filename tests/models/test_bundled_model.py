@@ -62,7 +62,7 @@ def test_engine_batch_chunked_preempted_matches_transformers(bundled, bundled_gg
     from tidal.config.engine import EngineConfig
     from tidal.config.scheduler import SchedulerConfig
     from tidal.engine.core import EngineCore
-    from tidal.engine.sampling_params import SamplingParams
+    from tidal.sampling_params import SamplingParams
 
     tok = load_tokenizer(bundled_gguf, "gemma3")
     page = 2 * 3 * 16 * bundled.arch.num_kv_heads * bundled.arch.head_dim * 4

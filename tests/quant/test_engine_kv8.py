@@ -9,7 +9,7 @@ import pytest
 from tests.engine.engine_util import make_engine, run_to_completion
 from tests.engine.tiny import make_tiny_model_dir
 from tidal.engine.core import EngineCore
-from tidal.engine.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams
 
 KV_BYTES = 4 << 20
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

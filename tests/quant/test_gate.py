@@ -12,7 +12,7 @@ from tests.engine.tiny import make_tiny_model_dir
 from tests.models.paged import PagedBatch
 from tidal.loader.model_loader import load_model
 from tidal.loader.tokenizer import load_tokenizer
-from tidal.quant.gate import (
+from tidal.worker.gate import (
     GateFailed,
     TokenScores,
     compare,

@@ -10,13 +10,14 @@ from torch import nn
 
 from tests.loader.test_weight_cache import write_tiny_quantized_gemma
 from tests.models.paged import paged_prefill_and_greedy
+from tidal.config.quant import resolve_scheme
 from tidal.kernels.gguf_gemm import BlockWeight, gguf_gemm
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.loader.gguf_file import GGUFFile
 from tidal.loader.model_loader import load_model
 from tidal.quant import gguf_blocks
 from tidal.quant.gguf_blocks import GGUFEmbedding, GGUFLinear
-from tidal.quant.registry import resolve_scheme, weight_bytes
+from tidal.quant.registry import weight_bytes
 
 # Prompts long enough for prefill tiles (> F32_KERNEL_MAX_ROWS rows in one step) and decode steps.
 PROMPTS = [list(range(3, 43)), [9, 2, 40, 41, 60, 3, 8], [5, 17, 33]]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tidal.attention.kv_quant import QuantizedKV, dequantize_kv, quantize_kv
 from tidal.kv.layout import KVLayout
-from tidal.quant.kv_quant import QuantizedKV, dequantize_kv, quantize_kv
 from tidal.worker.kv_cache import allocate_kv_caches
 
 

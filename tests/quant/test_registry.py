@@ -10,10 +10,11 @@ from torch import nn
 
 from tests.models.paged import paged_prefill_and_greedy
 from tests.models.tiny_hf import make_tiny_model
+from tidal.config.quant import SCHEMES
 from tidal.loader.model_loader import load_model
 from tidal.quant.fp8 import Fp8Embedding
 from tidal.quant.int8 import Int8Embedding, Int8Linear
-from tidal.quant.registry import SCHEMES, quantize_model, weight_bytes
+from tidal.quant.registry import quantize_model, weight_bytes
 
 PROMPTS = [[1, 17, 33, 90, 5, 64, 2, 8], [3, 99, 12]]
 # Max |logit difference| against the same float model whose weights were replaced by the

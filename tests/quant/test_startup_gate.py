@@ -15,9 +15,9 @@ from tests.engine.tiny import make_tiny_model_dir
 from tidal.cli import main as tidal_main
 from tidal.engine.builder import build_engine
 from tidal.engine.llm import engine_config_from_kwargs
-from tidal.quant.gate import GateFailed, heldout_text, run_gate
-from tidal.quant.gate import main as gate_main
-from tidal.quant.gate_cache import load_verdict, verdict_file, verdict_key
+from tidal.worker.gate import GateFailed, heldout_text, run_gate
+from tidal.worker.gate import main as gate_main
+from tidal.worker.gate_cache import load_verdict, verdict_file, verdict_key
 
 SMALL = {"kv_cache_bytes": 1 << 22, "quantization_gate_max_tokens": 64}
 

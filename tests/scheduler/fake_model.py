@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tidal.engine.request import Request
 from tidal.kv.layout import KVLayout
+from tidal.request import Request
 from tidal.scheduler.output import SchedulerOutput
 from tidal.scheduler.scheduler import Scheduler
 

@@ -6,10 +6,10 @@ from tests.kv.pool_check import FakeClock, assert_pool_clean
 from tests.scheduler.fake_model import PagedFakeModel, reference_output, run_to_completion
 from tidal.config.cache import CacheConfig
 from tidal.config.scheduler import SchedulerConfig
-from tidal.engine.request import Request, RequestStatus
-from tidal.engine.sampling_params import SamplingParams
 from tidal.kv.layout import KVLayout
 from tidal.kv.manager import KVCacheManager
+from tidal.request import Request, RequestStatus
+from tidal.sampling_params import SamplingParams
 from tidal.scheduler.scheduler import Scheduler
 
 BS = 8

@@ -13,7 +13,7 @@ from tidal.config.model import ModelConfig
 from tidal.config.scheduler import SchedulerConfig
 from tidal.engine.async_engine import AsyncEngine, EngineError, QueueFullError
 from tidal.engine.builder import build_engine
-from tidal.engine.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

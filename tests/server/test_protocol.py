@@ -13,7 +13,7 @@ import httpx2 as httpx  # the openai SDK installed here is built on httpx2
 import openai
 import pytest
 
-from tidal.engine.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams
 from tidal.server.errors import APIError, from_validation_error, invalid_api_key, queue_full
 from tidal.server.protocol import (
     ChatCompletionRequest,

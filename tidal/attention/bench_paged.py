@@ -47,9 +47,9 @@ def _case(
     window: int | None = None,
 ) -> dict[str, object]:
     from tidal.attention.cpu_paged import CpuPagedAttention
+    from tidal.attention.kv_quant import QuantizedKV, allocate_quantized_pool
     from tidal.attention.metadata import build_metadata
     from tidal.attention.torch_paged import TorchPagedAttention
-    from tidal.quant.kv_quant import QuantizedKV, allocate_quantized_pool
 
     g = torch.Generator().manual_seed(0)
     blocks_per_seq = [-(-c // BLOCK_SIZE) for c in context_lens]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from tidal.attention.kv_quant import QuantizedKV
 from tidal.attention.metadata import AttentionMetadata
 from tidal.attention.torch_paged import KVPages, TorchPagedAttention
 from tidal.kernels import paged_attention as kernel
-from tidal.quant.kv_quant import QuantizedKV
 
 PAGE_TYPES = {torch.float32: kernel.KV_F32, torch.bfloat16: kernel.KV_BF16}
 QUANT_TYPES = {"int8": kernel.KV_INT8, "fp8": kernel.KV_FP8}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tidal.attention.kv_quant import QuantizedKV
 from tidal.attention.metadata import AttentionMetadata
-from tidal.quant.kv_quant import QuantizedKV
 
 # A layer's K or V pages: a float tensor, or 8-bit pages with scales (memory.kv_cache_dtype).
 KVPages = torch.Tensor | QuantizedKV

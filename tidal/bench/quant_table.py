@@ -3,7 +3,7 @@
     python -m tidal.bench.quant_table --json quant.json --markdown quant.md
 
 For every scheme the model is loaded afresh and quantized; the accuracy columns come from the gate's
-arithmetic (tidal.quant.gate: the held-out text through the paged KV cache, against the float
+arithmetic (tidal.worker.gate: the held-out text through the paged KV cache, against the float
 model's scores computed once), the speed columns from the engine (tidal.LLM) decoding greedy
 tokens for 1, 8 and 32 sequences together, as `python -m tidal.bench.offline --mode decode` does.
 """
@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tidal.quant.registry import NATIVE_SCHEMES, SCHEMES
+from tidal.config.quant import NATIVE_SCHEMES, SCHEMES
 
 # Every scheme a table can measure: "auto" only stands for one of them.
 TABLE_SCHEMES = tuple(s for s in SCHEMES if s != "auto")
@@ -27,8 +27,8 @@ TABLE_SCHEMES = tuple(s for s in SCHEMES if s != "auto")
 
 def _scores(path: str, scheme: str, ids: list[int], context: int):
     from tidal.loader.model_loader import load_model
-    from tidal.quant.gate import score_tokens
     from tidal.quant.registry import quantize_model, weight_bytes
+    from tidal.worker.gate import score_tokens
 
     # The GGUF schemes run the file's own blocks: a load of their own, not a swap of float weights.
     loaded = load_model(path, gguf_blocks=scheme in NATIVE_SCHEMES)
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from tidal.loader.model_loader import load_model
     from tidal.loader.tokenizer import load_tokenizer
-    from tidal.quant.gate import compare, heldout_text
+    from tidal.worker.gate import compare, heldout_text
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.config._check import check
-from tidal.kv.layout import KV_CACHE_DTYPES
+
+# The KV cache's storage choices: "auto" keeps the model's float dtype; the 8-bit ones store one
+# byte per element plus one float32 scale per (token, KV head), see tidal.attention.kv_quant.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 
 @dataclass(frozen=True, slots=True)

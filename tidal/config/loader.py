@@ -19,7 +19,7 @@ from collections.abc import Mapping
 
 import yaml
 
-from tidal.config.cache import CacheConfig
+from tidal.config.cache import KV_CACHE_DTYPES, CacheConfig
 from tidal.config.engine import EngineConfig, TidalConfig
 from tidal.config.hardware import HardwareConfig
 from tidal.config.keys import (
@@ -35,7 +35,6 @@ from tidal.config.limits import TRUNCATION_MODES, LimitsConfig
 from tidal.config.model import DTYPES, QUANTIZATIONS, ModelConfig
 from tidal.config.scheduler import SchedulerConfig
 from tidal.config.server import ServerConfig
-from tidal.kv.layout import KV_CACHE_DTYPES
 
 # Written in place of each API key by `dump_config`; it contains spaces, which ServerConfig
 # rejects, so a masked dump fed back in fails loudly instead of accepting a public "key".

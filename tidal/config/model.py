@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import PurePath
 
 from tidal.config._check import check
-from tidal.quant.registry import SCHEMES as QUANTIZATIONS
+from tidal.config.quant import SCHEMES as QUANTIZATIONS
 
 # The dtypes a user may name; "auto" is resolved by the engine once the device is known.
 DTYPES = ("auto", "float32", "bfloat16", "float16")

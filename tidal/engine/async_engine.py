@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from tidal.engine.core import EngineCore
 from tidal.engine.output import RequestOutput
-from tidal.engine.request import RequestStatus
-from tidal.engine.sampling_params import SamplingParams
 from tidal.engine.stats import StepStats
+from tidal.request import RequestStatus
+from tidal.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

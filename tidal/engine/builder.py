@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from tidal.config.engine import EngineConfig
+from tidal.config.quant import NATIVE_SCHEMES, gate_needed, resolve_scheme
 from tidal.engine.core import EngineCore
 from tidal.engine.stats import StepStats
-from tidal.quant.registry import NATIVE_SCHEMES, gate_needed, resolve_scheme
 
 log = logging.getLogger("tidal.engine")
 
@@ -114,10 +114,10 @@ def check_quantization(
 ) -> None:
     """The start-up accuracy gate: when `scheme` (model.quantization, resolved) changes numbers or
     memory.kv_cache_dtype asks for fewer bits, measure perplexity against the float model
-    (tidal.quant.gate) or reuse the verdict stored beside the model, log it, and raise GateFailed (a ValueError) when it fails, unless
+    (tidal.worker.gate) or reuse the verdict stored beside the model, log it, and raise GateFailed (a ValueError) when it fails, unless
     memory.force_quantization. memory.quantization_gate false skips all of it."""
-    from tidal.quant.gate import GateFailed, heldout_text, mode_name, run_gate
-    from tidal.quant.gate_cache import load_verdict, save_verdict, verdict_key, verdict_of
+    from tidal.worker.gate import GateFailed, heldout_text, mode_name, run_gate
+    from tidal.worker.gate_cache import load_verdict, save_verdict, verdict_key, verdict_of
 
     kv_dtype = config.cache.kv_cache_dtype
     if not gate_needed(scheme) and kv_dtype == "auto":

@@ -11,13 +11,13 @@ import torch
 
 from tidal.config.engine import EngineConfig
 from tidal.engine.output import OutputState, RequestOutput, make_logprobs
-from tidal.engine.request import Request, RequestStatus
-from tidal.engine.sampling_params import SamplingParams
 from tidal.engine.stats import StepStats
 from tidal.kv.block_pool import num_blocks_for_budget
 from tidal.kv.layout import KVLayout
 from tidal.kv.manager import KVCacheManager
 from tidal.loader.model_loader import LoadedModel
+from tidal.request import Request, RequestStatus
+from tidal.sampling_params import SamplingParams
 from tidal.scheduler.output import SchedulerOutput
 from tidal.scheduler.scheduler import Scheduler
 from tidal.worker.model_runner import ModelRunner, RunnerOutput, TokenLogprobs

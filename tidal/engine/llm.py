@@ -14,8 +14,8 @@ from tidal.config.model import ModelConfig
 from tidal.config.scheduler import SchedulerConfig
 from tidal.engine.builder import build_engine
 from tidal.engine.output import RequestOutput
-from tidal.engine.sampling_params import SamplingParams
 from tidal.engine.stats import StepStats
+from tidal.sampling_params import SamplingParams
 
 _SECTIONS = {
     "model": ModelConfig,

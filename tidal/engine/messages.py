@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tidal.engine.output import RequestOutput
-from tidal.engine.sampling_params import SamplingParams
 from tidal.engine.stats import StepStats
+from tidal.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

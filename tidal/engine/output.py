@@ -7,8 +7,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tidal.engine.detokenizer import DecodesTokens, IncrementalDetokenizer
-from tidal.engine.request import Request, RequestStatus
 from tidal.engine.stop import Stop, StopChecker
+from tidal.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

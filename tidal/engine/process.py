@@ -158,7 +158,7 @@ def _warm_up(core) -> None:  # core: EngineCore
     """One short greedy request straight on the core (a prefill step and a decode step, the two
     code paths serving takes), so a restarted engine is warm when ready. Kept this short
     because it is on the kill-to-ready path: its cost is mostly first-touching the weights."""
-    from tidal.engine.sampling_params import SamplingParams
+    from tidal.sampling_params import SamplingParams
 
     ids = core.tokenizer.encode("Hello")[: max(1, core.max_model_len - 8)] or [0]
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=1)
@@ -298,7 +298,7 @@ class _EngineLoop:
 
     def _fail_all(self, error: Exception) -> None:
         """A step raised: fail every request in the engine, free their KV, keep serving."""
-        from tidal.engine.request import RequestStatus
+        from tidal.request import RequestStatus
 
         log.exception("engine step failed; failing every request in flight")
         message = f"the engine failed: {type(error).__name__}: {error}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import NamedTuple
 
-from tidal.engine.request import Request, RequestStatus
+from tidal.request import Request, RequestStatus
 
 
 class Stop(NamedTuple):

@@ -12,7 +12,7 @@ import torch
 
 from tidal.kernels.build import cpu_flags, load
 
-# ggml type numbers as in tidal.loader.gguf_file.GGMLType (an IntEnum: its members work here;
+# ggml type numbers as in tidal.quant.gguf_types.GGMLType (an IntEnum: its members work here;
 # kernels/ sits below loader/ in the layering, hence plain ints): name, elements, bytes per block.
 _BLOCKS: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),

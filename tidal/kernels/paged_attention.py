@@ -103,7 +103,7 @@ def paged_attention(
     isa: int | None = None,
 ) -> torch.Tensor:
     """Writes k/v at slot_mapping into the pages (8-bit pages quantized as
-    tidal.quant.kv_quant.quantize_kv does, bit for bit), then returns (T, H, D) float32
+    tidal.attention.kv_quant.quantize_kv does, bit for bit), then returns (T, H, D) float32
     attention of each query over its sequence's keys lo..p read through block_tables.
 
     Contract, not checked here (this runs once per layer per step, so the caller's test is

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd
 
-# The KV cache's storage choices: "auto" keeps the model's float dtype; the 8-bit ones store one
-# byte per element plus one float32 scale per (token, KV head), see tidal.quant.kv_quant.
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+from tidal.config.cache import KV_CACHE_DTYPES
+
 KV_SCALE_BYTES = 4
 
 

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tidal.config.cache import CacheConfig
-from tidal.engine.request import Request
 from tidal.kv.block_pool import NULL_BLOCK, BlockPool
 from tidal.kv.hashing import BlockHash, extend_block_hashes
 from tidal.kv.layout import KVLayout
+from tidal.request import Request
 
 
 def num_skipped_blocks(next_query_pos: int, window: int, block_size: int) -> int:

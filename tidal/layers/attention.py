@@ -7,11 +7,11 @@ from torch import nn
 
 from tidal.attention.cpu_paged import CpuPagedAttention
 from tidal.attention.metadata import AttentionMetadata
+from tidal.config.arch import ArchConfig
 from tidal.kernels.norm_rope import qk_norm_rope_
 from tidal.layers.linear import fuse_linears
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import apply_rotary
-from tidal.models.arch import ArchConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache), each (blocks, block_size, KVH, D)
 CosSin = tuple[torch.Tensor, torch.Tensor]  # (T, D) each, computed once per step per layer type

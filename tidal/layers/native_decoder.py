@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from tidal.attention.cpu_paged import PAGE_TYPES, QUANT_TYPES
+from tidal.attention.kv_quant import QuantizedKV
 from tidal.attention.metadata import AttentionMetadata
 from tidal.kernels import decoder as kernel
 from tidal.kernels import gguf_gemm
 from tidal.quant.gguf_blocks import F32_KERNEL_MAX_ROWS, GGUFLinear
-from tidal.quant.kv_quant import QuantizedKV
 
 _GEMM_ACTS = {"f32": 0, "q8": 1}
 

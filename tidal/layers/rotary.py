@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from tidal.models.arch import RopeConfig
+from tidal.config.arch import RopeConfig
 
 
 def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from tidal.engine.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 _MIN_TEMPERATURE = 1e-5

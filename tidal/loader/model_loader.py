@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tidal.config.arch import ArchConfig, arch_from_gguf, arch_from_hf
 from tidal.layers.rotary import RotaryEmbedding, inv_frequencies
-from tidal.models.arch import ArchConfig, arch_from_gguf, arch_from_hf
 from tidal.models.registry import model_class
 
 log = logging.getLogger(__name__)

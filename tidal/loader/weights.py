@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tidal.models.arch import ArchConfig
+from tidal.config.arch import ArchConfig
 
 if TYPE_CHECKING:
     from tidal.kernels.gguf_gemm import BlockWeight

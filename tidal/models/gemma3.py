@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 from tidal.attention.metadata import AttentionMetadata
+from tidal.config.arch import ArchConfig
 from tidal.layers.attention import CosSin, KVCache, SelfAttention
+from tidal.layers.mlp import GatedMLP
 from tidal.layers.native_decoder import NativeDecoder
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
-from tidal.models.arch import ArchConfig
-from tidal.models.llama import GatedMLP
 
 
 class Gemma3DecoderLayer(nn.Module):

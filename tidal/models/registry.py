@@ -6,7 +6,7 @@ import importlib
 
 from torch import nn
 
-from tidal.models.arch import ArchConfig
+from tidal.config.arch import ArchConfig
 
 _MODELS: dict[str, tuple[str, str]] = {
     "gemma3": ("tidal.models.gemma3", "Gemma3ForCausalLM"),

@@ -171,7 +171,7 @@ def decode_rows(weight: BlockWeight, start: int, stop: int) -> torch.Tensor:
 
 
 def _torch_decode(blocks: torch.Tensor, weight: BlockWeight) -> torch.Tensor:
-    from tidal.loader.gguf_quants import dequantize
+    from tidal.quant.gguf_dequant import dequantize
 
     return dequantize(blocks.contiguous(), weight.ggml_type, (blocks.shape[0], weight.cols))
 

@@ -6,7 +6,9 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # NOTE: kept torch-free at import time, so tidal.config can read SCHEMES
+from tidal.config.quant import WEIGHT_SCHEMES, check_scheme
+
+if TYPE_CHECKING:  # NOTE: kept torch-free at import time
     from torch import nn
 
 # scheme name -> module exposing quantize_linear(nn.Linear) and
@@ -16,11 +18,7 @@ _SCHEME_MODULES = {
     "int4": "tidal.quant.int4",
     "fp8": "tidal.quant.fp8",
 }
-# Load-time schemes: a GGUF file's own blocks (tidal.quant.gguf_blocks), read by tidal's kernels
-# with float32 activations ("gguf": the same model, no gate) or int8 ones ("gguf-q8": gated).
-NATIVE_SCHEMES = ("gguf", "gguf-q8")
-# "auto": the file's blocks for a GGUF checkpoint on CPU, float weights otherwise.
-SCHEMES = ("auto", "none", *NATIVE_SCHEMES, *_SCHEME_MODULES)
+assert tuple(_SCHEME_MODULES) == WEIGHT_SCHEMES  # NOTE: the names live in tidal.config.quant
 
 
 @dataclass(slots=True)
@@ -29,33 +27,6 @@ class QuantSummary:
     num_linear: int  # nn.Linear modules replaced
     weight_bytes_before: int  # unique parameter + buffer bytes
     weight_bytes_after: int
-
-
-def check_scheme(scheme: str) -> str:
-    if scheme not in SCHEMES:
-        raise ValueError(
-            f"quantization={scheme!r} is invalid: expected one of {', '.join(SCHEMES)}"
-        )
-    return scheme
-
-
-def resolve_scheme(scheme: str, is_gguf_file: bool, device_type: str) -> str:
-    """The scheme "auto" stands for here; a GGUF scheme on a checkpoint without blocks is refused."""
-    check_scheme(scheme)
-    if scheme == "auto":
-        return "gguf" if is_gguf_file and device_type == "cpu" else "none"
-    if scheme in NATIVE_SCHEMES and not (is_gguf_file and device_type == "cpu"):
-        where = f"device {device_type}" if is_gguf_file else "a checkpoint that is not a GGUF file"
-        raise ValueError(
-            f"quantization={scheme!r} is invalid for {where}: it runs a GGUF file's own blocks "
-            "on CPU; expected one of none, int8, int4, fp8"
-        )
-    return scheme
-
-
-def gate_needed(scheme: str) -> bool:
-    """Whether a scheme changes the model's numbers (so the accuracy gate must pass first)."""
-    return scheme not in ("auto", "none", "gguf")
 
 
 def weight_bytes(model: nn.Module) -> int:

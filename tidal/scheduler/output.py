@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tidal.engine.request import Request
+from tidal.request import Request
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from tidal.config.scheduler import SchedulerConfig
-from tidal.engine.request import Request
+from tidal.request import Request
 
 
 @dataclass(slots=True)

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable
 
 from tidal.config.cache import CacheConfig
 from tidal.config.scheduler import SchedulerConfig
-from tidal.engine.request import Request, RequestStatus
 from tidal.kv.manager import KVCacheManager
+from tidal.request import Request, RequestStatus
 from tidal.scheduler.controller import MIN_PREFILL_TOKENS, BatchController, StepLoad
 from tidal.scheduler.cost_model import StepShape, chunk_attended_keys
 from tidal.scheduler.output import ScheduledRequest, SchedulerOutput

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tidal.engine.request import Request, RequestStatus
+from tidal.request import Request, RequestStatus
 
 
 def check_stop(request: Request, token_id: int) -> RequestStatus | None:

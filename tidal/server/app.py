@@ -13,8 +13,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tidal.engine.client import EngineClient
-from tidal.engine.sampling_params import SamplingParams
+from tidal.client.engine_client import EngineClient
+from tidal.sampling_params import SamplingParams
 from tidal.server.errors import APIError, bad_request, internal_error, not_found, not_ready
 from tidal.server.generation import ClientGone
 from tidal.server.guards import admit, check_auth

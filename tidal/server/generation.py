@@ -11,10 +11,10 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from tidal.client.engine_client import EngineInterrupted
 from tidal.engine.async_engine import EngineError, QueueFullError
-from tidal.engine.client import EngineInterrupted
 from tidal.engine.output import CompletionOutput, Logprob, RequestOutput
-from tidal.engine.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams
 from tidal.server.errors import (
     APIError,
     bad_request,

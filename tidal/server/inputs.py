@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.config.limits import LimitsConfig
-from tidal.engine.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams
 from tidal.server.errors import bad_request
 from tidal.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 

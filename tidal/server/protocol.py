@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from tidal.engine.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams
 from tidal.server.errors import bad_request, from_validation_error
 
 _ROLES = ("system", "user", "assistant", "developer", "tool")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tidal.client.engine_client import EngineClient
 from tidal.config.engine import TidalConfig
 from tidal.engine.async_engine import AsyncEngine
-from tidal.engine.client import EngineClient
 from tidal.server.inputs import PromptLimits
 from tidal.server.metrics import ServerMetrics
 

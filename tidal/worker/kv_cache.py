@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tidal.attention.kv_quant import QuantizedKV, allocate_quantized_pool
 from tidal.kv.layout import KVLayout
-from tidal.quant.kv_quant import QuantizedKV, allocate_quantized_pool
 
 # Per layer (k_cache, v_cache): float tensors, or QuantizedKV pages when layout.kv_dtype is 8-bit.
 KVCache = tuple[torch.Tensor, torch.Tensor] | tuple[QuantizedKV, QuantizedKV]

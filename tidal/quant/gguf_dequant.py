@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from tidal.loader.gguf_file import BLOCK_SIZES, GGMLType
+from tidal.quant.gguf_types import BLOCK_SIZES, GGMLType
 
 CHUNK_ELEMS = 1 << 20  # values decoded per slice: 4 MiB of float32, few parallel regions
 

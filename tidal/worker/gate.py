@@ -12,15 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tidal.kv.layout import KV_CACHE_DTYPES
-from tidal.models.arch import ArchConfig
-from tidal.quant.registry import (
-    NATIVE_SCHEMES,
-    SCHEMES,
-    QuantSummary,
-    check_scheme,
-    quantize_model,
-)
+from tidal.config.arch import ArchConfig
+from tidal.config.cache import KV_CACHE_DTYPES
+from tidal.config.quant import NATIVE_SCHEMES, SCHEMES, check_scheme
+from tidal.quant.registry import QuantSummary, quantize_model
 
 HELDOUT_PATH = Path(__file__).with_name("heldout.txt")
 # Tokens fed to the model per forward pass inside one context chunk. 32 keeps every matmul on the
@@ -280,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
     if args.context_tokens is None:
         # The verdict a start-up with these settings would measure: store it, so `tidal serve`
         # after a `quantize-check` starts without measuring again.
-        from tidal.quant.gate_cache import save_verdict, verdict_key, verdict_of
+        from tidal.worker.gate_cache import save_verdict, verdict_key, verdict_of
 
         path = Path(args.model) if args.model else _bundled()
         key = verdict_key(

@@ -21,8 +21,8 @@ from tidal.engine.messages import (
 )
 from tidal.engine.output import RequestOutput
 from tidal.engine.process import FAULT_ENV
-from tidal.engine.sampling_params import SamplingParams
 from tidal.engine.stats import StepStats
+from tidal.sampling_params import SamplingParams
 from tidal.supervisor.handle import EngineStartError
 from tidal.supervisor.restart_policy import RestartPolicy
 from tidal.supervisor.supervisor import Supervisor

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tidal.quant.gate import GateReport
+    from tidal.worker.gate import GateReport
 
-log = logging.getLogger("tidal.quant.gate")
+log = logging.getLogger("tidal.worker.gate")
 
 # Bump when the gate's arithmetic or held-out scoring changes, so old verdicts stop matching.
 GATE_VERSION = 2  # 2: GGUF-block schemes are measured against the same blocks in float mode

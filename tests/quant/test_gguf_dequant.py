@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from tests.loader.test_gguf_file import bundled_gguf_path
-from tidal.loader import gguf_quants
-from tidal.loader.gguf_file import GGMLType, GGUFFile
-from tidal.loader.gguf_quants import dequantize, q8_0_codes, type_size
+from tidal.loader.gguf_file import GGUFFile
+from tidal.quant import gguf_dequant
+from tidal.quant.gguf_dequant import dequantize, q8_0_codes, type_size
+from tidal.quant.gguf_types import GGMLType
 
 # Byte offsets of the fp16 scale fields in each block: random bytes there may be inf/nan,
 # so the tests overwrite them with finite halves.
@@ -100,7 +101,7 @@ def test_q8_k() -> None:
 
 def test_slicing_into_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     # A tiny chunk size forces many slices, including a short last one.
-    monkeypatch.setattr(gguf_quants, "CHUNK_ELEMS", 512)
+    monkeypatch.setattr(gguf_dequant, "CHUNK_ELEMS", 512)
     packed = _random_blocks(GGMLType.Q4_K, 7, 768, seed=4)
     ref = gguf.quants.dequantize(packed, gguf.GGMLQuantizationType.Q4_K)
     _check(

@@ -1,0 +1,1 @@
+"""Clients the server holds: the engine client that drives a supervised engine process."""
