@@ -23,13 +23,13 @@ from tidal.kernels.bench_gguf import random_blocks
 pytestmark = pytest.mark.skipif(not gg.available(), reason="no C compiler: the torch fallback runs")
 
 ISAS = gg.isas() if gg.available() else []
-TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL)
+TYPES = (Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
 QUANTIZABLE = (Q.Q8_0, Q.Q4_0, Q.Q5_0)  # gguf-py 0.x quantizes these; K-quants are random blocks
 F32_TOL, Q8_TOL = 1e-5, 1e-5
 
 
 def _k_of(t: Q, blocks32: int = 7, blocks256: int = 2) -> int:
-    """K = 32 * odd for the 32-blocks, 256 * k for the K-quants."""
+    """K = 32 * odd for the 32-blocks, 256 * k for the 256-value super-blocks."""
     return 32 * blocks32 if gg._BLOCKS[int(t)][1] == 32 else 256 * blocks256
 
 
@@ -66,7 +66,7 @@ def check(y: torch.Tensor, x: torch.Tensor, w: gg.BlockWeight, act: str) -> None
         err = np.abs(got - exact) / np.maximum(scale, 1e-30)
         assert err.max() <= F32_TOL, f"f32: max error {err.max():.2e} of S"
         return
-    xq = quantize_x(xd, gg._BLOCKS[w.ggml_type][1])
+    xq = quantize_x(xd, gg.Q8_GROUP[w.ggml_type])
     emulated, scale_q = xq @ wd.T, np.abs(xq) @ np.abs(wd).T
     err = np.abs(got - emulated) / np.maximum(scale_q, 1e-30)
     assert err.max() <= Q8_TOL, f"q8 vs emulated quantization: max error {err.max():.2e} of Sq"
@@ -120,7 +120,12 @@ def test_rows_are_bit_identical_whatever_the_batch(isa: str, t: Q, act: str) -> 
 @pytest.mark.parametrize("act", gg.ACTS)
 @pytest.mark.parametrize(
     "types",
-    [(Q.Q5_0, Q.Q5_0, Q.Q8_0), (Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q4_0)],
+    [
+        (Q.Q5_0, Q.Q5_0, Q.Q8_0),
+        (Q.Q4_K, Q.Q6_K),
+        (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q4_0),
+        (Q.IQ4_XS, Q.Q4_K, Q.IQ4_NL),  # IQ4_XS's q8 rows are the 32-form beside Q4_K's 256-form
+    ],
     ids=lambda ts: "+".join(t.name for t in ts),
 )
 def test_segments_equal_separate_calls(isa: str, act: str, types: tuple[Q, ...]) -> None:

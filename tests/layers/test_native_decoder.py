@@ -131,6 +131,26 @@ def test_stack_matches_the_per_layer_path_bit_for_bit(tiny_models, family, act, 
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("act", ["f32", "q8"])
+def test_iq4_matrices_take_the_stack_bit_for_bit(tmp_path, act, isa):
+    """IQ4_XS and IQ4_NL blocks go through the C stack's gemm like the other block types."""
+    from tests.quant.test_gguf_blocks import IQ4_TYPES
+
+    path = tmp_path / "iq4.gguf"
+    write_tiny_quantized_gemma(path, types=IQ4_TYPES)
+    loaded = load_model(path, torch.float32, gguf_blocks=True)
+    model = loaded.model
+    set_activations(model, act)
+    ref, ref_pages, ran_ref = _run(model, loaded.arch, "float32", native=False)
+    ours, pages, ran = _run(model, loaded.arch, "float32", native=True)
+    assert ran_ref == 0 and ran == len(_schedule())
+    for step, (a, b) in enumerate(zip(ours, ref)):
+        assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max().item():.3e}"
+    for a, b in zip(pages, ref_pages):
+        assert torch.equal(a, b)
+
+
 def test_large_f32_prefill_takes_the_per_layer_path(tiny_models):
     """Above F32_KERNEL_MAX_ROWS tokens, "f32" mode multiplies decoded tiles with torch; the
     stack steps aside and the result is still the model's."""

@@ -20,22 +20,34 @@ from tidal.loader.weight_cache import weight_cache_key, weight_cache_path
 PROMPTS = [[5, 17, 33], [9, 2, 40, 41, 60, 3, 8]]
 V, H, FF, NH, NKV, HD, LAYERS = 64, 256, 512, 2, 1, 128, 2
 Q = gguf.GGMLQuantizationType
-# Where each K-quant keeps its fp16 super-block scales (set small and finite below).
-_FP16_AT = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+# Where each type made of random blocks keeps its fp16 scales (set small and finite below).
+_FP16_AT = {Q.Q4_K: (0, 2), Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+# The matrices' storage in write_tiny_quantized_gemma, by GGUF tensor role.
+MATRIX_TYPES = {
+    "attn_q": Q.Q5_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K,
+    "ffn_gate": Q.Q4_K, "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K,
+}  # fmt: skip
 
 
 def _blocks(qtype: gguf.GGMLQuantizationType, rows: int, cols: int, rng) -> np.ndarray:
-    """Random K-quant blocks with small finite scales, (rows, bytes per row) uint8."""
+    """Random blocks with small finite scales, (rows, bytes per row) uint8."""
     block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, size=(rows * cols // block_elems, block_bytes), dtype=np.uint8)
     for at in _FP16_AT[qtype]:
-        halves = (rng.standard_normal(blocks.shape[0]) * 1e-3).astype(np.float16)
+        # IQ4's codes reach 127 (times a 6-bit sub-scale for IQ4_XS): a smaller d keeps the
+        # weights of the K-quants' size
+        small = 1e-4 if qtype in (Q.IQ4_NL, Q.IQ4_XS) else 1e-3
+        halves = (rng.standard_normal(blocks.shape[0]) * small).astype(np.float16)
         blocks[:, at : at + 2] = halves.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
 
-def write_tiny_quantized_gemma(path: Path, seed: int = 0) -> None:
-    """A 2-layer Gemma 3 GGUF whose tensors use Q8_0, Q5_0, Q4_K, Q6_K and F32 storage."""
+def write_tiny_quantized_gemma(
+    path: Path, seed: int = 0, types: dict[str, gguf.GGMLQuantizationType] | None = None
+) -> None:
+    """A 2-layer Gemma 3 GGUF whose tensors use Q8_0, Q5_0, Q4_K, Q6_K and F32 storage; `types`
+    overrides MATRIX_TYPES's storage of some matrices (by role: "attn_q", "ffn_down", ...)."""
+    roles = {**MATRIX_TYPES, **(types or {})}
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), "gemma3")
     a = "gemma3"
@@ -76,13 +88,12 @@ def write_tiny_quantized_gemma(path: Path, seed: int = 0) -> None:
             w.add_tensor(f"{b}.{norm}.weight", 1.0 + normal(H))
         w.add_tensor(f"{b}.attn_q_norm.weight", 1.0 + normal(HD))
         w.add_tensor(f"{b}.attn_k_norm.weight", 1.0 + normal(HD))
-        quantized(f"{b}.attn_q.weight", Q.Q5_0, NH * HD, H)
-        quantized(f"{b}.attn_k.weight", Q.Q8_0, NKV * HD, H)
-        quantized(f"{b}.attn_v.weight", Q.Q8_0, NKV * HD, H)
-        quantized(f"{b}.attn_output.weight", Q.Q4_K, H, NH * HD)
-        quantized(f"{b}.ffn_gate.weight", Q.Q4_K, FF, H)
-        quantized(f"{b}.ffn_up.weight", Q.Q4_K, FF, H)
-        quantized(f"{b}.ffn_down.weight", Q.Q6_K, H, FF)
+        for role, (rows, cols) in {
+            "attn_q": (NH * HD, H), "attn_k": (NKV * HD, H), "attn_v": (NKV * HD, H),
+            "attn_output": (H, NH * HD), "ffn_gate": (FF, H), "ffn_up": (FF, H),
+            "ffn_down": (H, FF),
+        }.items():  # fmt: skip
+            quantized(f"{b}.{role}.weight", roles[role], rows, cols)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

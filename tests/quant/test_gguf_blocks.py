@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.loader.test_weight_cache import write_tiny_quantized_gemma
+from tests.loader.test_weight_cache import Q, write_tiny_quantized_gemma
 from tests.models.paged import paged_prefill_and_greedy
 from tidal.config.quant import resolve_scheme
 from tidal.kernels.gguf_gemm import BlockWeight, gguf_gemm
@@ -27,6 +27,17 @@ PROMPTS = [list(range(3, 43)), [9, 2, 40, 41, 60, 3, 8], [5, 17, 33]]
 def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("gguf_blocks") / "tiny-q.gguf"
     write_tiny_quantized_gemma(path)
+    return path
+
+
+# IQ4 storage for the matrices whose input size is a multiple of 256 (IQ4_XS's super-block).
+IQ4_TYPES = {"attn_q": Q.IQ4_NL, "attn_output": Q.IQ4_XS, "ffn_gate": Q.IQ4_XS, "ffn_up": Q.IQ4_XS}
+
+
+@pytest.fixture(scope="module")
+def iq4_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("gguf_blocks") / "tiny-iq4.gguf"
+    write_tiny_quantized_gemma(path, types=IQ4_TYPES)
     return path
 
 
@@ -53,6 +64,24 @@ def test_blocks_load_costs_the_files_bytes(tiny_gguf: Path) -> None:
 def test_blocks_match_the_float_model(tiny_gguf: Path, chunk: int | None) -> None:
     ref = load_model(tiny_gguf, weight_cache=False)
     ours = load_model(tiny_gguf, gguf_blocks=True)
+    ref_logits, ref_tokens = paged_prefill_and_greedy(ref.model, ref.arch, PROMPTS, 12, chunk)
+    logits, tokens = paged_prefill_and_greedy(ours.model, ours.arch, PROMPTS, 12, chunk)
+    assert tokens == ref_tokens
+    for a, b in zip(logits, ref_logits):
+        worst = (a - b).abs().max().item()
+        print(f"max |logit diff| {worst:.2e}")
+        assert worst < 1e-4
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_iq4_blocks_match_the_float_model(iq4_gguf: Path, chunk: int | None) -> None:
+    """IQ4_XS and IQ4_NL matrices stay blocks (the file's bytes) and give the float model."""
+    ref = load_model(iq4_gguf, weight_cache=False)
+    ours = load_model(iq4_gguf, gguf_blocks=True)
+    layer = ours.model.model.layers[0]
+    assert [p.ggml_type for p in layer.mlp.gate_up_proj.parts] == [int(Q.IQ4_XS)] * 2
+    assert [p.ggml_type for p in layer.self_attn.o_proj.parts] == [int(Q.IQ4_XS)]
+    assert layer.self_attn.qkv_proj.parts[0].ggml_type == int(Q.IQ4_NL)
     ref_logits, ref_tokens = paged_prefill_and_greedy(ref.model, ref.arch, PROMPTS, 12, chunk)
     logits, tokens = paged_prefill_and_greedy(ours.model, ours.arch, PROMPTS, 12, chunk)
     assert tokens == ref_tokens

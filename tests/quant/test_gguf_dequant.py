@@ -172,17 +172,20 @@ def test_bundled_one_tensor_per_type() -> None:
 
 
 def test_block_mode_keeps_what_the_kernels_read_and_decodes_the_rest(tmp_path) -> None:
-    """A GGUF's IQ4 matrices load in the native-block mode too: the kernels read Q8_0 and IQ4_NL
-    (block weights, decoding to exactly gguf's values), IQ4_XS comes out dequantized to float32."""
+    """A GGUF's IQ4 matrices load in the native-block mode too: the kernels read Q8_0, IQ4_NL and
+    IQ4_XS (block weights, decoding to exactly gguf's values); a type they do not read (Q4_1)
+    comes out dequantized to float32."""
     from types import SimpleNamespace
 
     from tidal.kernels.gguf_gemm import SUPPORTED_TYPES, BlockWeight
     from tidal.loader.weights import iter_gguf_weights
+    from tidal.quant.gguf_blocks import decode_rows
 
     tensors = {
         "blk.0.ffn_up.weight": (GGMLType.IQ4_NL, 4, 64),
         "blk.0.ffn_down.weight": (GGMLType.IQ4_XS, 2, 256),
         "blk.0.ffn_gate.weight": (GGMLType.Q8_0, 4, 64),
+        "blk.0.attn_q.weight": (GGMLType.Q4_1, 4, 64),
     }
     writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen2")
     packed = {}
@@ -197,11 +200,13 @@ def test_block_mode_keeps_what_the_kernels_read_and_decodes_the_rest(tmp_path) -
     writer.close()
     arch = SimpleNamespace(family="qwen2")
     loaded = dict(iter_gguf_weights(tmp_path / "m.gguf", arch, "qwen2", keep_blocks=lambda _: True))
-    assert int(GGMLType.IQ4_XS) not in SUPPORTED_TYPES  # else this test checks nothing
+    assert int(GGMLType.Q4_1) not in SUPPORTED_TYPES  # else this test checks nothing
     assert isinstance(loaded["model.layers.0.mlp.gate_proj.weight"], BlockWeight)
-    up = loaded["model.layers.0.mlp.up_proj.weight"]
-    assert isinstance(up, BlockWeight) and up.ggml_type == int(GGMLType.IQ4_NL)
-    from tidal.quant.gguf_blocks import decode_rows
-
-    _check(decode_rows(up, 0, up.rows), packed["blk.0.ffn_up.weight"], "IQ4_NL")
-    _check(loaded["model.layers.0.mlp.down_proj.weight"], packed["blk.0.ffn_down.weight"], "IQ4_XS")
+    for hf, name, ggml_type in (
+        ("model.layers.0.mlp.up_proj.weight", "blk.0.ffn_up.weight", GGMLType.IQ4_NL),
+        ("model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight", GGMLType.IQ4_XS),
+    ):
+        w = loaded[hf]
+        assert isinstance(w, BlockWeight) and w.ggml_type == int(ggml_type)
+        _check(decode_rows(w, 0, w.rows), packed[name], ggml_type.name)
+    _check(loaded["model.layers.0.self_attn.q_proj.weight"], packed["blk.0.attn_q.weight"], "Q4_1")

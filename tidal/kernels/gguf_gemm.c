@@ -15,12 +15,20 @@
  *                      are bits 4-5 of q[l+32t]                                  v = d*sc_{i/16}*(q-32)
  *   IQ4_NL 18 B / 32:  d f16 | qs[16] as Q4_0                                   v = d*K[q], K a
  *                      fixed 16-entry int8 table (a byte shuffle on AVX2)
+ *   IQ4_XS 136 B / 256: d f16 | scales_h u16 | scales_l[4] | qs[128]: eight runs of 32, run j
+ *                      its 16 bytes of qs as IQ4_NL's with the 6-bit scale ls_j (low 4 bits the
+ *                      nibble j%2 of scales_l[j/2], high 2 bits 2j, 2j+1 of scales_h)
+ *                                                                      v = (d*(ls_j-32))*K[q]
+ *
+ * "Runs of 32" (runs32(): the 32-blocks and IQ4_XS): values v = s*q with q int8 and one float
+ * scale s per 32 (IQ4_XS's s = d*(ls-32) is exact in float32: 11 by 6 bits), so one set of
+ * kernels serves them, walking a row run by run; their q8 activations are the 32-form.
  *
  * act F32: weights are decoded in registers and meet float32 x in FMAs: the float32 matmul with
  *   the dequantized weights, up to summation order (a 32-block's d, and Q6_K's d*sc per 16 values,
  *   multiply the partial sum of their values' q * x).
  * act Q8: each row of x is quantized once per call, to int8 with a float scale per 32 values for
- *   the 32-blocks, per 256 with the sums of every 16 codes (ggml's Q8_K) for the K-quants; dot
+ *   the runs of 32, per 256 with the sums of every 16 codes (ggml's Q8_K) for the K-quants; dot
  *   products run on integer SIMD (AVX2 maddubs/madd) as in ggml-cpu: slightly different numbers.
  *
  * Batch invariance (the contract): every y[m, n] is computed by the same sequence of float
@@ -45,8 +53,11 @@
 #define HAVE_AVX2 1
 #endif
 
-enum { T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20 };
-#define N_TYPES (T_IQ4_NL + 1)
+enum {
+    T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
+    T_IQ4_XS = 23
+};
+#define N_TYPES (T_IQ4_XS + 1)
 /* IQ4_NL: Q4_0's layout, each 4-bit code an index into this non-linear table (v = d * K[code]) */
 static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                         1,    13,   25,  38,  53,  69,  89,  113};
@@ -66,7 +77,7 @@ enum { ERR_TYPE = -1, ERR_SHAPE = -2, ERR_ISA = -3, ERR_NOMEM = -4 };
 int tidal_gguf_block_elems(int type) {
     switch (type) {
     case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL: return 32;
-    case T_Q4_K: case T_Q5_K: case T_Q6_K: return 256;
+    case T_Q4_K: case T_Q5_K: case T_Q6_K: case T_IQ4_XS: return 256;
     default: return 0;
     }
 }
@@ -75,8 +86,26 @@ static int block_bytes(int type) {
     switch (type) {
     case T_Q4_0: case T_IQ4_NL: return 18; case T_Q5_0: return 22; case T_Q8_0: return 34;
     case T_Q4_K: return 144; case T_Q5_K: return 176; case T_Q6_K: return 210;
+    case T_IQ4_XS: return 136;
     default: return 0;
     }
+}
+
+/* runs of 32 values with one scale each in a block (see the top); 0 for the K-quants' form */
+static int runs32(int type) {
+    switch (type) {
+    case T_Q4_0: case T_Q5_0: case T_Q8_0: case T_IQ4_NL: return 1;
+    case T_IQ4_XS: return 8;
+    default: return 0;
+    }
+}
+
+/* IQ4_XS: run j's scale from its super-block sb, d the super-block's scale */
+static inline float xs_scale(const uint8_t *sb, int j, float d) {
+    uint16_t h;
+    memcpy(&h, sb + 2, 2);
+    int ls = (sb[4 + j / 2] >> 4 * (j & 1) & 0xF) | (h >> 2 * j & 3) << 4;
+    return d * (float)(ls - 32);
 }
 
 int tidal_gguf_has_avx2(void) {
@@ -162,8 +191,17 @@ static void k_decode_scalar(int type, const uint8_t *b, kblock *k) {
             for (int i = 0; i < 32; i++) k->q[32 * j + i] |= (qh[i] >> j & 1) << 4;
 }
 
-/* a 32-block's signed values q (v = d*q); returns d */
-static float b32_decode_scalar(int type, const uint8_t *b, int8_t *q) {
+/* run g of a row w: its signed values q (v = s*q); returns s */
+static float b32_decode_scalar(int type, const uint8_t *w, int64_t g, int8_t *q) {
+    const uint8_t *b = w + g * block_bytes(type);
+    if (type == T_IQ4_XS) {
+        const uint8_t *sb = w + (g >> 3) * 136, *qs = sb + 8 + 16 * (g & 7);
+        for (int j = 0; j < 16; j++) {
+            q[j] = IQ4NL_VALUES[qs[j] & 0xF];
+            q[j + 16] = IQ4NL_VALUES[qs[j] >> 4];
+        }
+        return xs_scale(sb, (int)(g & 7), half_to_float(sb));
+    }
     if (type == T_Q8_0) {
         memcpy(q, b + 2, 32);
     } else if (type == T_IQ4_NL) {
@@ -211,8 +249,8 @@ typedef void (*tile_fn)(const uint8_t *w, int64_t nb, const uint8_t *x, int64_t 
 static float b32_f32_row(int type, const uint8_t *w, int64_t nb, const float *x) {
     float acc = 0.0f;
     int8_t q[32];
-    for (int64_t b = 0; b < nb; b++, x += 32) {
-        float d = b32_decode_scalar(type, w + b * block_bytes(type), q), g = 0.0f;
+    for (int64_t b = 0; b < nb * runs32(type); b++, x += 32) {
+        float d = b32_decode_scalar(type, w, b, q), g = 0.0f;
         for (int j = 0; j < 32; j++) g += (float)q[j] * x[j];
         acc += g * d;
     }
@@ -222,9 +260,9 @@ static float b32_f32_row(int type, const uint8_t *w, int64_t nb, const float *x)
 static float b32_q8_row(int type, const uint8_t *w, int64_t nb, const uint8_t *x) {
     float acc = 0.0f, dx;
     int8_t q[32];
-    for (int64_t b = 0; b < nb; b++, x += X32_BYTES) {
+    for (int64_t b = 0; b < nb * runs32(type); b++, x += X32_BYTES) {
         const int8_t *xq = (const int8_t *)(x + 4);
-        float dw = b32_decode_scalar(type, w + b * block_bytes(type), q);
+        float dw = b32_decode_scalar(type, w, b, q);
         int32_t s = 0;
         for (int j = 0; j < 32; j++) s += q[j] * xq[j];
         memcpy(&dx, x, 4);
@@ -295,7 +333,15 @@ static inline __m256i bit_bytes(uint32_t bits) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(v, sel), sel);
 }
 
-ALWAYS __m256i b32_decode_avx2(int type, const uint8_t *b, float *d) {
+/* run g of a row w: its 32 signed values; *d its scale */
+ALWAYS __m256i b32_decode_avx2(int type, const uint8_t *w, int64_t g, float *d) {
+    const uint8_t *b = w + g * block_bytes(type);
+    if (type == T_IQ4_XS) {
+        const uint8_t *sb = w + (g >> 3) * 136;
+        *d = xs_scale(sb, (int)(g & 7), half_f16c(sb));
+        __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4NL_VALUES));
+        return _mm256_shuffle_epi8(table, nibbles(sb + 8 + 16 * (g & 7)));
+    }
     *d = half_f16c(b);
     if (type == T_Q8_0) return _mm256_loadu_si256((const __m256i *)(b + 2));
     if (type == T_Q4_0) return _mm256_sub_epi8(nibbles(b + 2), _mm256_set1_epi8(8));
@@ -370,19 +416,20 @@ ALWAYS void k_decode_avx2(int type, const uint8_t *b, kblock *k, int floats) {
 /* the tile's rows, unrolled early so the per-row accumulators live in registers */
 #define EACH_ROW(i) _Pragma("GCC unroll 8") for (int i = 0; i < mt; i++)
 
-/* one 32-block of the weight row into acc[i], for each row i of the tile */
-ALWAYS void b32_f32_step(int type, const uint8_t *blk, const uint8_t *x, int64_t ldx, int64_t b,
+/* run b of the weight row w into acc[i], for each row i of the tile */
+ALWAYS void b32_f32_step(int type, const uint8_t *w, const uint8_t *x, int64_t ldx, int64_t b,
                          int mt, __m256 *acc) {
     float d;
     __m256 w0, w1, w2, w3;
     if (type == T_Q8_0) { /* widen straight from memory */
+        const uint8_t *blk = w + b * block_bytes(type);
         d = half_f16c(blk);
         w0 = i8x8_ps(_mm_loadl_epi64((const __m128i *)(blk + 2)));
         w1 = i8x8_ps(_mm_loadl_epi64((const __m128i *)(blk + 10)));
         w2 = i8x8_ps(_mm_loadl_epi64((const __m128i *)(blk + 18)));
         w3 = i8x8_ps(_mm_loadl_epi64((const __m128i *)(blk + 26)));
     } else {
-        __m256i q = b32_decode_avx2(type, blk, &d);
+        __m256i q = b32_decode_avx2(type, w, b, &d);
         __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
         w0 = i8x8_ps(lo);
         w1 = i8x8_ps(_mm_srli_si128(lo, 8));
@@ -400,10 +447,10 @@ ALWAYS void b32_f32_step(int type, const uint8_t *blk, const uint8_t *x, int64_t
     }
 }
 
-ALWAYS void b32_q8_step(int type, const uint8_t *blk, const uint8_t *x, int64_t ldx, int64_t b,
+ALWAYS void b32_q8_step(int type, const uint8_t *w, const uint8_t *x, int64_t ldx, int64_t b,
                         int mt, __m256 *acc) {
     float dw;
-    __m256i q = b32_decode_avx2(type, blk, &dw);
+    __m256i q = b32_decode_avx2(type, w, b, &dw);
     __m256i aq = _mm256_sign_epi8(q, q); /* maddubs wants an unsigned side: |w| * (x signed as w) */
     __m256 dwv = _mm256_set1_ps(dw);
     EACH_ROW(i) {
@@ -422,7 +469,7 @@ ALWAYS void b32_q8_step(int type, const uint8_t *blk, const uint8_t *x, int64_t 
                      int mt, float *out) {                                                    \
         __m256 acc[MT];                                                                       \
         EACH_ROW(i) acc[i] = _mm256_setzero_ps();                                             \
-        for (int64_t b = 0; b < nb; b++) step(type, w + b * block_bytes(type), x, ldx, b, mt, acc); \
+        for (int64_t b = 0; b < nb * runs32(type); b++) step(type, w, x, ldx, b, mt, acc);     \
         EACH_ROW(i) out[i] = hsum8(acc[i]);                                                   \
     }
 B32_BODY(b32_f32_avx2, b32_f32_step)
@@ -605,12 +652,12 @@ static void quant_x_avx2(const float *x, int64_t K, int group, uint8_t *dst) {
     T(q8_0_##act##_##isa, b32, T_Q8_0) T(q4_0_##act##_##isa, b32, T_Q4_0)                       \
     T(q5_0_##act##_##isa, b32, T_Q5_0) T(q4_k_##act##_##isa, kq, T_Q4_K)                        \
     T(q5_k_##act##_##isa, kq, T_Q5_K) T(q6_k_##act##_##isa, kq, T_Q6_K)                         \
-    T(iq4_nl_##act##_##isa, b32, T_IQ4_NL)
+    T(iq4_nl_##act##_##isa, b32, T_IQ4_NL) T(iq4_xs_##act##_##isa, b32, T_IQ4_XS)
 #define TABLE(act, isa)                                                                         \
     [T_Q8_0] = q8_0_##act##_##isa, [T_Q4_0] = q4_0_##act##_##isa,                               \
     [T_Q5_0] = q5_0_##act##_##isa, [T_Q4_K] = q4_k_##act##_##isa,                               \
     [T_Q5_K] = q5_k_##act##_##isa, [T_Q6_K] = q6_k_##act##_##isa,                              \
-    [T_IQ4_NL] = iq4_nl_##act##_##isa
+    [T_IQ4_NL] = iq4_nl_##act##_##isa, [T_IQ4_XS] = iq4_xs_##act##_##isa
 
 TYPES(f32, scalar, SCALAR_TILE, b32_f32_row, k_f32_row)
 TYPES(q8, scalar, SCALAR_TILE, b32_q8_row, k_q8_row)
@@ -672,8 +719,8 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
         if (!(fn[s] = pick((int)isa, (int)act, ts[s]))) return ERR_ISA;
         nb[s] = K / be;
         rb[s] = nb[s] * block_bytes(ts[s]);
-        need32 |= be == 32;
-        needk |= be == 256;
+        need32 |= runs32(ts[s]) != 0;
+        needk |= runs32(ts[s]) == 0;
     }
     if (M <= 0 || total == 0) return 0;
     /* quantized x: M rows of the 32-form, then M rows of the 256-form (those needed) */
@@ -700,7 +747,7 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             const uint8_t *xs = (const uint8_t *)x;
             int64_t ldxs = ldx * (int64_t)sizeof(float);
             if (act == ACT_Q8) {
-                int kq = tidal_gguf_block_elems(ts[s]) == 256;
+                int kq = runs32(ts[s]) == 0;
                 xs = kq ? xq + M * r32 : xq;
                 ldxs = kq ? rk : r32;
             }
@@ -723,13 +770,15 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
 /* ---- dequantization, bit-exact with gguf-py's numpy (float32, no fused multiply-add) ---- */
 
 static void dequant_row_scalar(int type, const uint8_t *w, int64_t nb, float *out) {
-    for (int64_t b = 0; b < nb; b++, w += block_bytes(type)) {
-        if (tidal_gguf_block_elems(type) == 32) {
-            int8_t q[32];
-            float d = b32_decode_scalar(type, w, q);
+    if (runs32(type)) {
+        int8_t q[32];
+        for (int64_t g = 0; g < nb * runs32(type); g++) {
+            float d = b32_decode_scalar(type, w, g, q);
             for (int j = 0; j < 32; j++) *out++ = d * (float)q[j];
-            continue;
         }
+        return;
+    }
+    for (int64_t b = 0; b < nb; b++, w += block_bytes(type)) {
         kblock k;
         k_decode_scalar(type, w, &k);
         for (int i = 0; i < 256; i++) {
@@ -741,19 +790,20 @@ static void dequant_row_scalar(int type, const uint8_t *w, int64_t nb, float *ou
 
 #ifdef HAVE_AVX2
 ALWAYS void dequant_row_avx2_t(int type, const uint8_t *w, int64_t nb, float *out) {
-    for (int64_t b = 0; b < nb; b++, w += block_bytes(type)) {
-        if (tidal_gguf_block_elems(type) == 32) {
+    if (runs32(type)) {
+        for (int64_t g = 0; g < nb * runs32(type); g++, out += 32) {
             float d;
-            __m256i q = b32_decode_avx2(type, w, &d);
+            __m256i q = b32_decode_avx2(type, w, g, &d);
             __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
             __m256 dv = _mm256_set1_ps(d);
             _mm256_storeu_ps(out, _mm256_mul_ps(dv, i8x8_ps(lo)));
             _mm256_storeu_ps(out + 8, _mm256_mul_ps(dv, i8x8_ps(_mm_srli_si128(lo, 8))));
             _mm256_storeu_ps(out + 16, _mm256_mul_ps(dv, i8x8_ps(hi)));
             _mm256_storeu_ps(out + 24, _mm256_mul_ps(dv, i8x8_ps(_mm_srli_si128(hi, 8))));
-            out += 32;
-            continue;
         }
+        return;
+    }
+    for (int64_t b = 0; b < nb; b++, w += block_bytes(type)) {
         _Alignas(32) kblock k;
         k_decode_avx2(type, w, &k, 1);
         for (int g = 0; g < 32; g++, out += 8) {
@@ -771,6 +821,7 @@ static void dequant_row_avx2(int type, const uint8_t *w, int64_t nb, float *out)
     case T_Q4_0: dequant_row_avx2_t(T_Q4_0, w, nb, out); break;
     case T_Q5_0: dequant_row_avx2_t(T_Q5_0, w, nb, out); break;
     case T_IQ4_NL: dequant_row_avx2_t(T_IQ4_NL, w, nb, out); break;
+    case T_IQ4_XS: dequant_row_avx2_t(T_IQ4_XS, w, nb, out); break;
     case T_Q4_K: dequant_row_avx2_t(T_Q4_K, w, nb, out); break;
     case T_Q5_K: dequant_row_avx2_t(T_Q5_K, w, nb, out); break;
     default: dequant_row_avx2_t(T_Q6_K, w, nb, out); break;

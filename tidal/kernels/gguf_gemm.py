@@ -22,7 +22,12 @@ _BLOCKS: dict[int, tuple[str, int, int]] = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
     20: ("IQ4_NL", 32, 18),
+    23: ("IQ4_XS", 256, 136),
 }
+# Values per scale of the "q8" activations' int8 rows, per type: the K-quants' 256-form (ggml's
+# Q8_K) where the weight's scales cover 16 values, the 32-form where each 32 values have one
+# (IQ4_XS's super-block is eight runs of 32, each with its own scale).
+Q8_GROUP: dict[int, int] = {t: 256 if t in (12, 13, 14) else 32 for t in _BLOCKS}
 SUPPORTED_TYPES: frozenset[int] = frozenset(_BLOCKS)
 MAX_SEGMENTS = 4
 ACTS = ("f32", "q8")

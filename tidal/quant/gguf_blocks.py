@@ -1,8 +1,8 @@
 """GGUF's own blocks as the in-memory weight format: `GGUFLinear` and the gathering `GGUFEmbedding`.
 
-A GGUF checkpoint's quantized matrices (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K) are kept as the file's
-packed blocks, memory-mapped where the loader can, and multiplied by tidal's C kernels
-(tidal/kernels/gguf_gemm.c) that read them directly, so the model costs the file's bytes.
+A GGUF checkpoint's quantized matrices (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS) are
+kept as the file's packed blocks, memory-mapped where the loader can, and multiplied by tidal's C
+kernels (tidal/kernels/gguf_gemm.c) that read them directly, so the model costs the file's bytes.
 
 Two activation modes:
 - "f32": the kernel decodes weights in registers and multiplies float32 activations; the result is
