@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 _MAX_LOGPROBS = 20
+# OpenAI's range for a logit_bias value: -100 bans a token in practice, 100 forces it.
+_MAX_LOGIT_BIAS = 100.0
 # Choices per request: OpenAI's own limit. Each choice is a sequence with its own KV blocks, so an
 # unbounded n lets one request take the whole server.
 _MAX_N = 128
@@ -36,6 +38,8 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # token id -> value added to its logit before sampling and logprobs (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -95,6 +99,22 @@ class SamplingParams:
             self.prompt_logprobs,
             f"an integer in [0, {_MAX_LOGPROBS}]",
         )
+
+        for token, bias in (self.logit_bias or {}).items():
+            _check(
+                isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                "logit_bias",
+                token,
+                "token ids (integers >= 0) as keys",
+            )
+            _check(
+                isinstance(bias, (int, float))
+                and not isinstance(bias, bool)
+                and -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS,
+                "logit_bias",
+                {token: bias},
+                f"biases in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]",
+            )
 
     @property
     def greedy(self) -> bool:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +14,13 @@ import pytest
 
 from tidal.bench.report import markdown_table, write_json, write_plots
 from tidal.bench.run_stats import SLO, compute_stats, percentile
-from tidal.bench.server_probe import ProbeSample, ServerProbe, parse_metrics, summarize_samples
+from tidal.bench.server_probe import (
+    ProbeSample,
+    ServerProbe,
+    parse_metrics,
+    summarize_samples,
+    tree_memory_bytes,
+)
 from tidal.bench.stream_client import RequestRecord, _carries_token
 
 METRICS_T0 = """# TYPE tidal:num_requests_waiting gauge
@@ -87,6 +96,7 @@ def test_parse_metrics_and_probe_batch_utilization() -> None:
     summary = summarize_samples([s0, s1, ProbeSample(1.0, rss_bytes=123)])
     assert summary.num_preemptions == 2.0 and summary.max_waiting == 3.0
     assert summary.peak_rss_bytes == 123 and summary.num_samples == 3
+    assert summary.peak_pss_bytes is None  # no sample had it
 
 
 def test_llama_cpp_metric_names() -> None:
@@ -110,7 +120,10 @@ def test_token_chunks() -> None:
 def test_report_writers(tmp_path: Path) -> None:
     a = compute_stats("tidal", _records(), 2.8, SLO(), offered_rate=2.0)
     a.server = summarize_samples(
-        [ProbeSample(0.0, 1, 1, 0.1, 0, None, 10 << 20), ProbeSample(0.5, 3, 2, 0.2, 0, 0.5)]
+        [
+            ProbeSample(0.0, 1, 1, 0.1, 0, None, 10 << 20, 6 << 20),
+            ProbeSample(0.5, 3, 2, 0.2, 0, 0.5),
+        ]
     )
     b = compute_stats(
         "tidal", _records()[3:], 0.1, SLO(), offered_rate=math.inf
@@ -120,7 +133,7 @@ def test_report_writers(tmp_path: Path) -> None:
     lines = table.strip().splitlines()
     assert len(lines) == 5
     assert lines[2].startswith("| tidal | rate=2/s | 3/4 | 1.07 | 6.8 | 1.07 | 200/280/298 |")
-    assert lines[2].endswith("| 3 | 0.50 | 0.20 | 0 | 10 |")
+    assert lines[2].endswith("| 3 | 0.50 | 0.20 | 0 | 10 | 6 |")
     assert lines[3].startswith("| tidal | rate=inf/s | 0/1 | 0.00 | 0.0 | 0.00 | -/-/- |")
     path = tmp_path / "r.json"
     write_json(path, [a, b, c], [_records(), _records()[3:], _records()[:2]], {"note": "x"})
@@ -144,3 +157,21 @@ def test_write_markdown_replaces_only_the_marked_table(tmp_path: Path) -> None:
     readme.write_text(f"# Title\n\n{BEGIN_MARK}\nold table\n{END_MARK}\n\nmore text\n")
     write_markdown(readme, "| new |\n")
     assert readme.read_text() == f"# Title\n\n{BEGIN_MARK}\n| new |\n{END_MARK}\n\nmore text\n"
+
+
+def test_tree_memory_counts_children_and_splits_shared_pages() -> None:
+    # This process's tree holds the child, so its RSS is more than the child's alone; PSS (each
+    # shared page split between the processes that map it) never exceeds RSS.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE
+    )
+    try:
+        alone = tree_memory_bytes(child.pid)
+        both = tree_memory_bytes(os.getpid())
+    finally:
+        child.communicate(b"", timeout=30)
+    assert alone is not None and both is not None
+    assert both[0] > alone[0] > 0
+    if sys.platform.startswith("linux"):
+        assert alone[1] is not None and both[1] is not None
+        assert 0 < alone[1] <= alone[0] and 0 < both[1] <= both[0]

@@ -56,6 +56,7 @@ def _check_run(run: dict, requests: list[dict], with_pid: bool = False) -> None:
     assert server["num_preemptions"] is not None and server["num_preemptions"] >= 0
     if with_pid:
         assert server["peak_rss_bytes"] is not None and server["peak_rss_bytes"] > 0
+        assert 0 < server["peak_pss_bytes"] <= server["peak_rss_bytes"]
 
 
 def test_bench_run_open_and_closed_loop(tiny_server: ServerProcess, tmp_path: Path) -> None:

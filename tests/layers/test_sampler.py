@@ -247,3 +247,62 @@ def test_top_k_with_top_p_in_every_row_uses_only_the_k_best() -> None:
     logits = [math.log(x) for x in (0.4, 0.3, 0.2, 0.1)] + [-math.inf] * 4
     counts = _draw_counts(logits, 1000, top_k=3, top_p=0.7)
     assert counts[2:] == [0] * 6 and counts[0] > 0 and counts[1] > 0
+
+
+def test_logit_bias_forces_and_bans_tokens() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    s = _sampler()
+    assert s(logits, [_row(temperature=0.0)]).token_ids.tolist() == [1]
+    assert s(logits, [_row(temperature=0.0, logit_bias={1: -100.0})]).token_ids.tolist() == [2]
+    assert s(logits, [_row(temperature=0.0, logit_bias={6: 100.0})]).token_ids.tolist() == [6]
+    # Sampled rows cannot draw a banned token either: its probability is e^-100 of the rest.
+    counts = _draw_counts(logits[0].tolist(), 2000, logit_bias={1: -100.0, 2: -100.0})
+    assert counts[1] == 0 and counts[2] == 0 and sum(counts) == 2000
+
+
+def test_logprobs_report_the_biased_distribution() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(2, V)
+    bias = {3: 2.5, 0: -1.0}
+    out = _sampler()(logits, [_row(temperature=0.0, logprobs=2, logit_bias=bias), _row(logprobs=2)])
+    biased = logits[0].clone()
+    for t, b in bias.items():
+        biased[t] += b
+    expect = torch.log_softmax(biased, dim=-1)
+    assert out.top_logprobs is not None and out.logprobs is not None
+    torch.testing.assert_close(out.top_logprobs[0], expect.topk(2).values)
+    assert out.token_ids[0].item() == int(expect.argmax())
+    torch.testing.assert_close(out.logprobs[0], expect[out.token_ids[0]])
+    # The unbiased row beside it keeps the model's own distribution.
+    raw = torch.log_softmax(logits[1], dim=-1)
+    torch.testing.assert_close(out.top_logprobs[1], raw.topk(2).values)
+
+
+def test_logit_bias_is_batch_invariant() -> None:
+    torch.manual_seed(5)
+    steps = [torch.randn(3, V) for _ in range(5)]
+    kinds = [dict(seed=11, logit_bias={2: 3.0, 5: -2.0}), dict(temperature=0.0), dict(seed=12)]
+
+    def run(order: list[int]) -> dict[int, list[int]]:
+        s = _sampler(seed=len(order))
+        rows = {i: _row(**kinds[i]) for i in order}
+        got: dict[int, list[int]] = {i: [] for i in order}
+        for logits in steps:
+            out = s(logits[order], [rows[i] for i in order])
+            for j, i in enumerate(order):
+                got[i].append(out.token_ids[j].item())
+        return got
+
+    alone = run([0])[0]
+    assert run([0, 1, 2])[0] == alone and run([2, 0])[0] == alone
+    assert run([1, 2])[2] == run([1, 0, 2])[2]  # an unbiased row ignores its biased neighbour
+
+
+@pytest.mark.parametrize(
+    "bias, message",
+    [({-1: 1.0}, "token ids"), ({3: 100.5}, "[-100, 100]"), ({3: float("nan")}, "[-100, 100]"), ({True: 1.0}, "token ids")],
+)  # fmt: skip
+def test_logit_bias_out_of_range_is_refused(bias: dict, message: str) -> None:
+    with pytest.raises(ValueError, match="logit_bias") as e:
+        SamplingParams(logit_bias=bias)
+    assert message in str(e.value)

@@ -202,3 +202,37 @@ def test_bundled_model_matches_offline_llm() -> None:
             temperature=0,
         )
         assert chat.usage.prompt_tokens == 16 and chat.choices[0].message.content
+
+
+def test_logit_bias_forces_bans_and_refuses(server: ServerProcess) -> None:
+    client = _client(server)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    forced = httpx.post(
+        server.base_url + "/tokenize", json={"prompt": "Hello"}, headers=headers
+    ).json()["tokens"][-1]
+    piece = httpx.post(
+        server.base_url + "/detokenize", json={"tokens": [forced]}, headers=headers
+    ).json()["prompt"]
+    out = _greedy_completion(client, "Tide", max_tokens=4, logit_bias={str(forced): 100})
+    assert out.choices[0].text == piece * 4
+
+    plain = _greedy_completion(client, "Tide", max_tokens=1, logprobs=1)
+    first = plain.choices[0].logprobs.tokens[0]
+    first_id = httpx.post(
+        server.base_url + "/tokenize", json={"prompt": first, "add_special_tokens": False},
+        headers=headers,
+    ).json()["tokens"]  # fmt: skip
+    assert len(first_id) == 1, first_id  # the tiny vocabulary re-tokenizes a piece to itself
+    banned = _greedy_completion(
+        client, "Tide", max_tokens=1, logprobs=1, logit_bias={str(first_id[0]): -100}
+    )
+    assert banned.choices[0].logprobs.tokens[0] != first
+
+    with pytest.raises(openai.BadRequestError) as e:
+        _greedy_completion(client, "Tide", max_tokens=1, logit_bias={"99999999": 5})
+    assert e.value.body["param"] == "logit_bias" and "outside the vocabulary" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], tool_choice="auto"
+        )
+    assert e.value.body["param"] == "tool_choice"

@@ -132,7 +132,7 @@ def test_sdk_streaming_chat_request_parses_and_chunks_read_back() -> None:
     assert (req.priority, req.timeout_s, req.session_id) == (2, 3.5, "s-1")
     assert req.to_sampling_params() == SamplingParams(
         temperature=0.0, top_p=0.9, top_k=20, min_p=0.05, seed=7, stop=["\n"], max_tokens=1,
-        logprobs=1, presence_penalty=0.1, frequency_penalty=0.5,
+        logprobs=1, presence_penalty=0.1, frequency_penalty=0.5, logit_bias={50256: -100.0},
     )  # fmt: skip
 
 

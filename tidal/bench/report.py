@@ -29,6 +29,7 @@ _COLUMNS = (
     ("kv", "max KV"),
     ("pre", "preempt"),
     ("rss", "peak RSS MiB"),
+    ("pss", "peak PSS MiB"),
 )
 
 
@@ -53,6 +54,7 @@ def _row(s: RunStats) -> dict[str, str]:
         "kv": _num(srv.max_kv_usage, ".2f"),
         "pre": _num(srv.num_preemptions),
         "rss": _num(None if srv.peak_rss_bytes is None else srv.peak_rss_bytes / 2**20),
+        "pss": _num(None if srv.peak_pss_bytes is None else srv.peak_pss_bytes / 2**20),
     }
 
 

@@ -85,7 +85,7 @@ class RunStats:
 
     def line(self) -> str:
         """One comparable line per run."""
-        rss = self.server.peak_rss_bytes
+        rss, pss = self.server.peak_rss_bytes, self.server.peak_pss_bytes
         return (
             f"{self.target} {self.load}: {self.num_ok}/{self.num_requests} ok in "
             f"{self.duration_s:.1f} s | {self.requests_per_s:.2f} req/s | "
@@ -93,6 +93,7 @@ class RunStats:
             f"req/s | TTFT p50 {self.ttft.p50_ms:.0f} p99 {self.ttft.p99_ms:.0f} ms | TPOT p50 "
             f"{self.tpot.p50_ms:.1f} ms | E2E p50 {self.e2e.p50_ms:.0f} ms"
             + (f" | peak RSS {rss / 2**20:.0f} MiB" if rss else "")
+            + (f" (PSS {pss / 2**20:.0f} MiB)" if pss else "")
         )
 
 

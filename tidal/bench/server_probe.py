@@ -28,6 +28,7 @@ class ProbeSample:
     num_preemptions: float | None = None
     batch_utilization: float | None = None  # mean over the steps since the previous sample
     rss_bytes: int | None = None
+    pss_bytes: int | None = None  # shared pages split between the processes that map them
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class ProbeSummary:
     max_kv_usage: float | None = None
     num_preemptions: float | None = None
     peak_rss_bytes: int | None = None
+    peak_pss_bytes: int | None = None
     samples: list[ProbeSample] = field(default_factory=list)
 
 
@@ -63,8 +65,14 @@ def _first(values: dict[str, float], names: tuple[str, ...]) -> float | None:
     return None
 
 
-def tree_rss_bytes(pid: int) -> int | None:
-    """Resident memory of `pid` and its descendants (the supervised engine is a child process)."""
+def tree_memory_bytes(pid: int) -> tuple[int, int | None] | None:
+    """(RSS, PSS) summed over `pid` and its descendants (the supervised engine is a child process).
+
+    NOTE: RSS counts a shared page once per process that maps it (torch's libraries are mapped by
+    the API process, the engine and the standby alike), so its sum overstates a process tree's
+    memory; PSS splits each shared page between its sharers, so the sum is the tree's footprint.
+    PSS is None where the OS does not report it (it needs Linux's smaps_rollup).
+    """
     import psutil
 
     try:
@@ -72,13 +80,22 @@ def tree_rss_bytes(pid: int) -> int | None:
         procs = [root, *root.children(recursive=True)]
     except psutil.Error:
         return None
-    total = 0
+    rss, pss, pss_known = 0, 0, True
     for p in procs:
         try:
-            total += p.memory_info().rss
+            info = p.memory_full_info()  # smaps_rollup: PSS as well as RSS
+        except psutil.AccessDenied:
+            pss_known = False
+            try:
+                info = p.memory_info()
+            except psutil.Error:
+                continue
         except psutil.Error:  # a child that exited between listing and reading
-            pass
-    return total
+            continue
+        rss += info.rss
+        pss_known = pss_known and hasattr(info, "pss")
+        pss += getattr(info, "pss", 0)
+    return rss, pss if pss_known else None
 
 
 class ServerProbe:
@@ -127,7 +144,9 @@ class ServerProbe:
             except Exception:  # a slow or missing /metrics must not fail the run
                 pass
         if self.pid is not None:
-            sample.rss_bytes = tree_rss_bytes(self.pid)
+            mem = tree_memory_bytes(self.pid)
+            if mem is not None:
+                sample.rss_bytes, sample.pss_bytes = mem
         self.samples.append(sample)
 
     def add_metrics(self, sample: ProbeSample, values: dict[str, float]) -> None:
@@ -152,11 +171,12 @@ def summarize_samples(samples: list[ProbeSample]) -> ProbeSummary:
         return [v for s in samples if (v := getattr(s, name)) is not None]
 
     waiting, running = vals("num_waiting"), vals("num_running")
-    util, kv, pre, rss = (
+    util, kv, pre, rss, pss = (
         vals("batch_utilization"),
         vals("kv_usage"),
         vals("num_preemptions"),
         vals("rss_bytes"),
+        vals("pss_bytes"),
     )
     return ProbeSummary(
         num_samples=len(samples),
@@ -168,5 +188,6 @@ def summarize_samples(samples: list[ProbeSample]) -> ProbeSummary:
         # The counter is cumulative since the server started: the run's share is last - first.
         num_preemptions=pre[-1] - pre[0] if pre else None,
         peak_rss_bytes=int(max(rss)) if rss else None,
+        peak_pss_bytes=int(max(pss)) if pss else None,
         samples=samples,
     )

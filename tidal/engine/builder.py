@@ -13,6 +13,7 @@ from tidal.config.engine import EngineConfig
 from tidal.config.quant import NATIVE_SCHEMES, gate_needed, resolve_scheme
 from tidal.engine.core import EngineCore
 from tidal.engine.stats import StepStats
+from tidal.loader.heap import release_free_heap
 
 log = logging.getLogger("tidal.engine")
 
@@ -103,6 +104,7 @@ def build_engine(
         )
     if progress:
         progress(f"KV cache: {core.num_blocks} blocks of {core.layout.page_bytes} bytes")
+    release_free_heap()  # loading's scratch (GGUF metadata, weight conversion) is free by now
     return core
 
 

@@ -124,6 +124,12 @@ class EngineCore:
                     f"{name}={value!r} is invalid: expected a positive number of seconds or None"
                 )
         prompt_token_ids = _token_ids(prompt_token_ids, self.loaded.arch.vocab_size)
+        bad_bias = [t for t in params.logit_bias or {} if t >= self.loaded.arch.vocab_size]
+        if bad_bias:
+            raise ValueError(
+                f"logit_bias={{{bad_bias[0]}: ...}} is invalid: expected token ids in "
+                f"[0, {self.loaded.arch.vocab_size})"
+            )
         if not prompt_token_ids:
             raise ValueError("prompt is empty: expected at least one token")
         if len(prompt_token_ids) >= self.max_model_len:

@@ -91,11 +91,12 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Batched sampling: penalties -> min_tokens -> temperature -> top-k -> top-p -> min-p -> draw.
+    """Batched sampling: logit bias -> penalties -> min_tokens -> temperature -> top-k -> top-p ->
+    min-p -> draw.
 
-    Logprobs are the model's raw log-softmax (before penalties, temperature and filtering), as vLLM
-    v1 returns by default: they describe the model, not the sampling policy, and stay comparable
-    across requests with different parameters.
+    Logprobs are the log-softmax after `logit_bias` (OpenAI reports the biased distribution) and
+    before penalties, temperature and filtering, as vLLM v1 returns by default: they describe the
+    model, not the sampling policy, and stay comparable across requests with different parameters.
 
     A seeded row draws with the exponential race, argmax(probs / q) with q ~ Exp(1) per token, its
     whole q vector from its own generator every step, so its tokens depend only on its seed and
@@ -118,6 +119,7 @@ class Sampler:
                 f"logits has {logits.shape[0]} rows but {len(rows)} sampling rows given"
             )
         logits = logits[:, : self.vocab_size].float()  # (B, V)
+        logits = self._apply_logit_bias(logits, rows)
         out = SamplerOutput(token_ids=torch.empty(0))
         num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
         if num_logprobs:
@@ -145,6 +147,24 @@ class Sampler:
             out.ranks = _rank(raw, out.logprobs)
             out.top_logprobs, out.top_ids = raw.topk(k, dim=-1)
         return out
+
+    def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        # One scatter-add of (row, token, bias) triples: elementwise, so a row's biased logits
+        # never depend on the other rows of the batch. Ids past the vocabulary were refused at
+        # add_request; the filter keeps a padded-vocab model safe all the same.
+        triples = [
+            (i, token, bias)
+            for i, r in enumerate(rows)
+            for token, bias in (r.params.logit_bias or {}).items()
+            if 0 <= token < self.vocab_size
+        ]
+        if not triples:
+            return logits
+        dev = logits.device
+        row_ids = torch.tensor([t[0] for t in triples], device=dev)
+        token_ids = torch.tensor([t[1] for t in triples], device=dev)
+        biases = torch.tensor([t[2] for t in triples], dtype=logits.dtype, device=dev)
+        return logits.index_put((row_ids, token_ids), biases, accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         rep = [r.params.repetition_penalty for r in rows]

@@ -16,6 +16,7 @@ from tidal.loader.chat_template import (
     render_chat_template,
     select_chat_template,
 )
+from tidal.loader.heap import release_free_heap
 from tidal.loader.tokenizer_gguf import load_gguf_tokenizer
 
 # Tokens that end an assistant turn, per chat family, besides the checkpoint's EOS.
@@ -170,10 +171,10 @@ def load_tokenizer(path: str | os.PathLike[str], family: str | None = None) -> T
     end-of-turn tokens and the built-in chat template; by default it is guessed from the checkpoint.
     """
     p = Path(path)
-    if p.is_dir():
-        return _load_hf_dir(p, family)
-    if p.is_file():
-        return _load_gguf(p, family)
+    if p.is_dir() or p.is_file():
+        tok = _load_hf_dir(p, family) if p.is_dir() else _load_gguf(p, family)
+        release_free_heap()  # the vocabulary's JSON parse leaves ~3x the tokenizer's size freed
+        return tok
     raise ValueError(
         f"tokenizer path {str(p)!r} is neither a GGUF file nor a directory with tokenizer.json"
     )

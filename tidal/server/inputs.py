@@ -131,3 +131,15 @@ def check_max_tokens(
             param,
             "context_length_exceeded",
         )
+
+
+def check_logit_bias(params: SamplingParams, limits: PromptLimits) -> None:
+    """400 naming logit_bias when a key is not a token id of this model's vocabulary."""
+    bad = next((t for t in params.logit_bias or {} if t >= limits.vocab_size), None)
+    if bad is not None:
+        raise bad_request(
+            f"Invalid key in 'logit_bias': token id {bad} is outside the vocabulary "
+            f"(expected ids in [0, {limits.vocab_size}))",
+            "logit_bias",
+            "invalid_value",
+        )

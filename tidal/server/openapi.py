@@ -122,6 +122,8 @@ _REFINE: dict[str, dict[str, dict[str, Any]]] = {
         "messages": _MESSAGES,
         "max_completion_tokens": {"integer": {"minimum": 0}},
         "tools": {"array": {"maxItems": 0}},
+        # Without tools OpenAI allows no tool_choice but "none" (tidal has no tool calling yet).
+        "tool_choice": {"anyOf": [{"type": "string", "const": "none"}, {"type": "null"}]},
         "response_format": {
             "object": {"required": ["type"], "properties": {"type": {"const": "text"}}}
         },

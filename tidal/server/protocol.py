@@ -5,9 +5,10 @@ presence: every optional field also accepts `null` (the `openai` SDK sends `null
 None), and unknown fields are accepted and ignored, because OpenAI clients send newer fields
 (`store`, `metadata`, `service_tier`, `parallel_tool_calls`, ...) that change nothing here.
 
-Accepted but ignored: `user`, `logit_bias` (validated: token-id keys, values in [-100, 100]),
-`tool_choice`. Rejected with 400 because we cannot honour them: non-empty `tools`,
-`response_format` other than text, completions `suffix`, and `best_of` other than `n`.
+Accepted but ignored: `user`. `logit_bias` (token-id keys, values in [-100, 100]) is applied in
+the sampler. Rejected with 400 because we cannot honour them: non-empty `tools`, a `tool_choice`
+other than "none" (OpenAI allows one only with tools), `response_format` other than text,
+completions `suffix`, and `best_of` other than `n`.
 Ranges are checked once, by SamplingParams; `to_sampling_params` names the request's own param.
 """
 
@@ -134,6 +135,9 @@ class _SamplingRequest(_Body):
             "ignore_eos": bool(self.ignore_eos),
             "include_stop_str_in_output": bool(self.include_stop_str_in_output),
             "skip_special_tokens": given(self.skip_special_tokens, True),
+            "logit_bias": (
+                {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
+            ),
         }
 
     def _build(self, kwargs: dict[str, Any], params: dict[str, str]) -> SamplingParams:
@@ -293,6 +297,16 @@ class ChatCompletionRequest(_SamplingRequest):
     def _no_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         if v:
             raise ValueError("tool calling is not supported")
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        # Without tools only "none" means anything, and it is what happens anyway.
+        if v is not None and v != "none":
+            raise ValueError(
+                "is only allowed when tools are given, and tool calling is not supported"
+            )
         return v
 
     @field_validator("response_format")

@@ -22,7 +22,7 @@ from tidal.server.generation import (
     until_disconnect,
 )
 from tidal.server.guards import admit
-from tidal.server.inputs import chat_input, check_max_tokens
+from tidal.server.inputs import chat_input, check_logit_bias, check_max_tokens
 from tidal.server.logprobs import chat_logprobs
 from tidal.server.protocol import ChatCompletionRequest, parse_request
 from tidal.server.responses import (
@@ -41,6 +41,7 @@ async def create_chat_completion(request: Request) -> Response:
     state, req = await admit(request, partial(parse_request, ChatCompletionRequest))
     params = req.to_sampling_params()
     inp = chat_input(req, state.tokenizer, state.limits)
+    check_logit_bias(params, state.limits)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(params, len(inp.token_ids), state.limits, param)
     job = GenerationJob(

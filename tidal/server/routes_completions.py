@@ -22,7 +22,7 @@ from tidal.server.generation import (
     until_disconnect,
 )
 from tidal.server.guards import admit
-from tidal.server.inputs import PromptInput, check_max_tokens, completion_inputs
+from tidal.server.inputs import PromptInput, check_logit_bias, check_max_tokens, completion_inputs
 from tidal.server.logprobs import completion_logprobs
 from tidal.server.protocol import CompletionRequest, parse_request
 from tidal.server.responses import (
@@ -40,6 +40,7 @@ async def create_completion(request: Request) -> Response:
     params = req.to_sampling_params()
     tok = state.tokenizer
     inputs = completion_inputs(req, tok, state.limits)
+    check_logit_bias(params, state.limits)
     for inp in inputs:
         check_max_tokens(params, len(inp.token_ids), state.limits, "max_tokens")
     job = GenerationJob(
