@@ -100,3 +100,11 @@ def test_refused_keys_are_refused_from_every_layer() -> None:
         ValueError, match=r"^hardware\.tensor_parallel=2 is invalid.*\(from environment"
     ):
         load_config(None, {"TIDAL_HARDWARE_TENSOR_PARALLEL": "2"}, {})
+
+
+def test_the_seed_example_in_the_docs_loads(tmp_path: Path) -> None:
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in docs.split("```yaml\n")[1:]]
+    seed = next(b for b in blocks if b.startswith("optimization:"))
+    cfg = load_config(_write(tmp_path, seed), {}, {})
+    assert cfg.engine.scheduler.window_ms == 50.0 and cfg.engine.cache.enable_prefix_caching
