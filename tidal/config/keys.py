@@ -10,6 +10,7 @@ from dataclasses import MISSING, dataclass, fields
 
 from tidal.config.cache import CacheConfig
 from tidal.config.hardware import HardwareConfig
+from tidal.config.key_docs import SEED_KEYS
 from tidal.config.limits import LimitsConfig
 from tidal.config.model import ModelConfig
 from tidal.config.scheduler import SchedulerConfig
@@ -194,8 +195,6 @@ def parse_window_ms(value: object, origin: str) -> float:
 
 def lookup_key(full: str, origin: str) -> ConfigKey:
     if full not in KEYS:
-        from tidal.config.key_docs import SEED_KEYS
-
         seed = SEED_KEYS.get(full)
         if seed is not None and seed.target is None:
             raise ValueError(f"{full} is not supported ({origin}): it is {seed.text}")
