@@ -8,8 +8,8 @@ _MAX_LOGPROBS = 20
 # OpenAI's range for a logit_bias value: -100 bans a token in practice, 100 forces it.
 _MAX_LOGIT_BIAS = 100.0
 # Choices per request: OpenAI's own limit. Each choice is a sequence with its own KV blocks, so an
-# unbounded n lets one request take the whole server.
-_MAX_N = 128
+# unbounded n lets one request take the whole server (the server's own cap, server.max_n, is lower).
+MAX_N = 128
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        _check(1 <= self.n <= _MAX_N, "n", self.n, f"an integer in [1, {_MAX_N}]")
+        _check(1 <= self.n <= MAX_N, "n", self.n, f"an integer in [1, {MAX_N}]")
         _check(self.temperature >= 0.0, "temperature", self.temperature, "a number >= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "a number in (0, 1]")
         _check(self.top_k >= 0, "top_k", self.top_k, "0 or -1 (disabled) or a positive integer")

@@ -57,6 +57,7 @@ MESSAGES = [
         priority=-1,
         session_id="s1",
         timeout_s=2.5,
+        queue_timeout_s=0.5,
     ),
     AddRequest("r", [1], SamplingParams()),
     AbortRequest("cmpl-1-0"),

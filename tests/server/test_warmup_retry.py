@@ -31,6 +31,8 @@ def _state(engine: _Engine) -> SimpleNamespace:
         config=SimpleNamespace(server=SimpleNamespace(warmup=True)),
         draining=False,
         warm=False,
+        warmup_failures=0,
+        warmup_error=None,
     )
 
 
@@ -38,13 +40,22 @@ def test_a_failed_warm_up_is_retried_until_it_succeeds() -> None:
     engine = _Engine(failures=3)  # two concurrent warm-up requests per attempt
     state = _state(engine)
     waits: list[float] = []
+    seen: list[dict[str, object]] = []
 
     async def sleep(s: float) -> None:
         waits.append(s)
+        seen.append(app_module.warmup_status(state))  # type: ignore[arg-type]  # what /health shows
 
+    assert app_module.warmup_status(state) == {"status": "running", "failed_attempts": 0}  # type: ignore[arg-type]
     asyncio.run(app_module._warm(state, sleep))  # type: ignore[arg-type]
     assert state.warm and engine.ready
     assert waits == list(app_module._WARM_RETRY_S[:2])  # attempts 1 and 2 failed, 3 passed
+    last_error = "RuntimeError: engine process restarting"
+    assert seen == [
+        {"status": "retrying", "failed_attempts": n, "last_error": last_error} for n in (1, 2)
+    ]
+    done = app_module.warmup_status(state)  # type: ignore[arg-type]
+    assert done == {"status": "ok", "failed_attempts": 2, "last_error": last_error}
 
 
 def test_draining_stops_the_retries() -> None:

@@ -220,6 +220,7 @@ class EngineClient:
         priority: int = 0,
         session_id: str | None = None,
         timeout_s: float | None = None,
+        queue_timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one request; ends after the finished one (see AsyncEngine.generate).
 
@@ -232,7 +233,14 @@ class EngineClient:
         if request_id in self._streams:
             raise ValueError(f"request_id={request_id!r} is invalid: it is already in use")
         add = AddRequest(
-            request_id, list(prompt_token_ids), params, prompt, priority, session_id, timeout_s
+            request_id,
+            list(prompt_token_ids),
+            params,
+            prompt,
+            priority,
+            session_id,
+            timeout_s,
+            queue_timeout_s,
         )
         stream = _Stream(asyncio.Queue(), add)
         self._streams[request_id] = stream

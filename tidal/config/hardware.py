@@ -19,7 +19,8 @@ class HardwareConfig:
     dtype: str = "auto"
     # torch intra-op threads on CPU; None leaves torch's default.
     threads: int | None = None
-    # Devices one model is split across.
+    # Devices one model is split across. Only 1 runs today: tensor parallelism is not built yet,
+    # so a larger value is refused rather than silently served from one device.
     tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
@@ -36,7 +37,12 @@ class HardwareConfig:
             self.threads,
             "an integer >= 1 or None",
         )
-        check(self.tensor_parallel >= 1, "tensor_parallel", self.tensor_parallel, "an integer >= 1")
+        check(
+            self.tensor_parallel == 1,
+            "tensor_parallel",
+            self.tensor_parallel,
+            "1 (tensor parallelism is not supported yet: a model runs on one device)",
+        )
 
     def resolve_device(self, cuda_available: bool) -> str:
         """The concrete device; the caller says whether CUDA is usable so config never imports torch."""

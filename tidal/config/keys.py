@@ -10,6 +10,7 @@ from dataclasses import MISSING, dataclass, fields
 
 from tidal.config.cache import CacheConfig
 from tidal.config.hardware import HardwareConfig
+from tidal.config.key_docs import SEED_KEYS
 from tidal.config.limits import LimitsConfig
 from tidal.config.model import ModelConfig
 from tidal.config.scheduler import SchedulerConfig
@@ -170,8 +171,33 @@ def parse_text(key: ConfigKey, text: str, origin: str) -> object:
     return coerce_value(key, number, origin)
 
 
+# `dynamic_window: true` in the seed layout turns the admission window on at this length: long
+# enough to gather requests that arrive together, short beside a CPU step (100 ms and more).
+DYNAMIC_WINDOW_ON_MS = 20.0
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*(ms|s)?", re.IGNORECASE)
+
+
+def parse_window_ms(value: object, origin: str) -> float:
+    """The seed's `dynamic_window` as batching.window_ms: milliseconds, '20ms' / '0.02s', or a bool."""
+    if isinstance(value, bool):
+        return DYNAMIC_WINDOW_ON_MS if value else 0.0
+    if isinstance(value, int | float) and math.isfinite(value) and value >= 0:
+        return float(value)
+    m = _DURATION.fullmatch(value.strip()) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(
+            f"batching.dynamic_window={value!r} is invalid: expected milliseconds (20), a "
+            f"duration ('20ms', '0.02s'), true ({DYNAMIC_WINDOW_ON_MS:g} ms) or false ({origin})"
+        )
+    number, unit = float(m.group(1)), (m.group(2) or "ms").lower()
+    return number * 1000.0 if unit == "s" else number
+
+
 def lookup_key(full: str, origin: str) -> ConfigKey:
     if full not in KEYS:
+        seed = SEED_KEYS.get(full)
+        if seed is not None and seed.target is None:
+            raise ValueError(f"{full} is not supported ({origin}): it is {seed.text}")
         section = full.split(".", 1)[0]
         if section not in SECTION_NAMES:
             raise ValueError(

@@ -9,6 +9,11 @@ dataclasses stay the one source of defaults and range checks. Two keys are not p
   in `SchedulerConfig.max_queue` (the scheduler rejects the overflow); there is no `batching.max_queue`.
 
 Lists (server.api_keys) are replaced by a later layer, never merged.
+
+A YAML file may also use the seed's `fastgpt_config.yaml` layout: its sections under an
+`optimization:` wrapper and its names `batching.dynamic_window` (-> batching.window_ms) and
+`memory.attention_cache` (-> memory.enable_prefix_caching); its `memory.checkpoint_interval`, a
+training setting, is refused with the reason (`tidal.config.key_docs.SEED_KEYS`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import yaml
 from tidal.config.cache import KV_CACHE_DTYPES, CacheConfig
 from tidal.config.engine import EngineConfig, TidalConfig
 from tidal.config.hardware import HardwareConfig
+from tidal.config.key_docs import KEY_DOCS, SEED_KEYS
 from tidal.config.keys import (
     KEYS,
     SECTION_NAMES,
@@ -30,12 +36,15 @@ from tidal.config.keys import (
     coerce_value,
     lookup_key,
     parse_text,
+    parse_window_ms,
 )
 from tidal.config.limits import TRUNCATION_MODES, LimitsConfig
 from tidal.config.model import DTYPES, QUANTIZATIONS, ModelConfig
 from tidal.config.scheduler import SchedulerConfig
 from tidal.config.server import ServerConfig
 
+# The seed's fastgpt_config.yaml nests its sections under this key (see key_docs.SEED_KEYS).
+SEED_WRAPPER = "optimization"
 # Written in place of each API key by `dump_config`; it contains spaces, which ServerConfig
 # rejects, so a masked dump fed back in fails loudly instead of accepting a public "key".
 MASK = "*** masked ***"
@@ -53,9 +62,46 @@ def _file_values(path: str) -> dict[str, object]:
         raise ValueError(
             f"config file {path}: expected a mapping of sections, got {type(raw).__name__}"
         )
+    origin = f"from {path}"
     out: dict[str, object] = {}
+    given: dict[str, str] = {}  # tidal key -> the name the file set it with
+    for section, name, value in _entries(raw, origin):
+        full = f"{section}.{name}"
+        seed = SEED_KEYS.get(full)
+        if seed is not None and seed.target is not None:
+            key = KEYS[seed.target]
+            if full == "batching.dynamic_window":
+                value = parse_window_ms(value, origin)
+        else:
+            key = lookup_key(full, origin)  # raises for unknown and refused keys
+        if key.full in given:
+            names = {full, given[key.full]} - {key.full}
+            what = (
+                f"{names.pop()} is the seed layout's name for {key.full}, and the file sets both"
+                if names
+                else f"{key.full} is set twice (at the top level and under {SEED_WRAPPER}:)"
+            )
+            raise ValueError(f"{what} ({origin}): keep one")
+        given[key.full] = full
+        out[key.full] = coerce_value(key, value, origin)
+    return out
+
+
+def _entries(raw: dict, origin: str) -> list[tuple[str, str, object]]:
+    """(section, name, value) of every key in the file; the seed layout's `optimization:`
+    wrapper holds sections too, and its entries count as if written at the top level."""
+    sections: list[tuple[str, object]] = []
     for section, body in raw.items():
-        origin = f"from {path}"
+        if section == SEED_WRAPPER and isinstance(body, dict):
+            sections.extend(body.items())
+        elif section == SEED_WRAPPER and body is not None:
+            raise ValueError(
+                f"config section {section!r} ({origin}) must be a mapping of sections, got {body!r}"
+            )
+        else:
+            sections.append((section, body))
+    out: list[tuple[str, str, object]] = []
+    for section, body in sections:
         if body is None:
             continue
         if section not in SECTION_NAMES:
@@ -64,9 +110,7 @@ def _file_values(path: str) -> dict[str, object]:
             raise ValueError(
                 f"config section {section!r} ({origin}) must be a mapping, got {body!r}"
             )
-        for name, value in body.items():
-            key = lookup_key(f"{section}.{name}", origin)
-            out[key.full] = coerce_value(key, value, origin)
+        out.extend((section, name, value) for name, value in body.items())
     return out
 
 
@@ -173,97 +217,10 @@ def dump_config(cfg: TidalConfig, mask_secrets: bool = True) -> str:
 
 # --- CLI -------------------------------------------------------------------------------------
 
-# flag -> (key, help). Booleans get --x/--no-x; every default is None so "not given" is visible.
-_FLAGS: tuple[tuple[str, str, str], ...] = (
-    ("--model", "model.path", "GGUF file or safetensors folder (none: the bundled model)"),
-    ("--weight-dtype", "model.dtype", "dtype weights are held in (auto: the compute dtype)"),
-    ("--max-model-len", "model.max_model_len", "context limit, prompt + output"),
-    ("--served-model-name", "model.served_model_name", "model id clients use"),
-    ("--quantization", "model.quantization", "weight format (check with tidal quantize-check)"),
-    ("--device", "hardware.device", "auto, cpu, cuda or cuda:N"),
-    ("--dtype", "hardware.dtype", "compute dtype"),
-    ("--threads", "hardware.threads", "torch CPU threads"),
-    ("--tensor-parallel", "hardware.tensor_parallel", "devices one model is split across"),
-    (
-        "--batching",
-        "batching.enabled",
-        "continuous batching (--no-batching: one sequence at a time)",
-    ),
-    ("--max-num-seqs", "batching.max_num_seqs", "most sequences in one step"),
-    ("--max-num-batched-tokens", "batching.max_num_batched_tokens", "most tokens in one step"),
-    ("--min-num-seqs", "batching.min_num_seqs", "lowest seat cap the TPOT controller may set"),
-    (
-        "--target-tpot-ms",
-        "batching.target_tpot_ms",
-        "size each step so decodes take about this per token",
-    ),
-    (
-        "--target-ttft-ms",
-        "batching.target_ttft_ms",
-        "raise the prefill share when queued requests would miss this first-token time",
-    ),
-    (
-        "--cpu-budget-step-ms",
-        "batching.cpu_budget_step_ms",
-        "no target, on CPU: prefill what fits a step this long (none: max-num-batched-tokens)",
-    ),
-    ("--window-ms", "batching.window_ms", "wait this long when idle to batch arriving prefills"),
-    ("--chunked-prefill", "batching.enable_chunked_prefill", "split long prompts across steps"),
-    (
-        "--priority-aging-s",
-        "batching.priority_aging_s",
-        "seconds of waiting worth one priority level",
-    ),
-    (
-        "--kv-cache-bytes",
-        "memory.kv_cache_bytes",
-        "KV pool size, e.g. 2GiB (none: from --memory-fraction)",
-    ),
-    ("--memory-fraction", "memory.memory_fraction", "fraction of free memory for the KV pool"),
-    ("--max-cpu-kv-bytes", "memory.max_cpu_kv_bytes", "cap on the KV pool on CPU"),
-    ("--block-size", "memory.block_size", "tokens per KV block"),
-    ("--prefix-caching", "memory.enable_prefix_caching", "reuse KV blocks of shared prefixes"),
-    ("--prefix-ttl-s", "memory.prefix_ttl_s", "drop idle cached blocks after this many seconds"),
-    ("--kv-cache-dtype", "memory.kv_cache_dtype", "KV cache storage (int8/fp8: ~2x the tokens)"),
-    (
-        "--quantization-gate",
-        "memory.quantization_gate",
-        "measure perplexity vs float before serving a quantized mode",
-    ),
-    ("--force-quantization", "memory.force_quantization", "serve even if the gate fails"),
-    (
-        "--session-turns",
-        "memory.session_turns",
-        "turns kept per session id ahead of anonymous blocks",
-    ),
-    ("--max-input-tokens", "limits.max_input_tokens", "most prompt tokens accepted"),
-    ("--truncation", "limits.truncation", "over-long prompts: reject (400) or left-truncate"),
-    ("--host", "server.host", "address to listen on"),
-    ("--port", "server.port", "port to listen on"),
-    (
-        "--api-key",
-        "server.api_keys",
-        "accepted bearer key; repeat for several (replaces file/env keys)",
-    ),
-    ("--max-queue", "server.max_queue", "waiting requests before 429 (none: unbounded)"),
-    ("--request-timeout-s", "server.request_timeout_s", "default deadline of a whole request"),
-    ("--max-body-bytes", "server.max_body_bytes", "largest request body accepted"),
-    (
-        "--drain-timeout-s",
-        "server.drain_timeout_s",
-        "on shutdown, wait this long for running requests",
-    ),
-    ("--warmup", "server.warmup", "run one request before reporting ready"),
-    (
-        "--stream-interval-ms",
-        "server.stream_interval_ms",
-        "coalesce a stream's tokens, send at most this often",
-    ),
-    (
-        "--sse-keepalive-s",
-        "server.sse_keepalive_s",
-        "SSE comment this often while a stream is queued",
-    ),
+# flag -> (key, help), from the one key table. Booleans get --x/--no-x; every default is None so
+# "not given" is visible.
+_FLAGS: tuple[tuple[str, str, str], ...] = tuple(
+    (doc.flag, full, doc.text) for full, doc in KEY_DOCS.items() if doc.flag is not None
 )
 FLAG_OF: dict[str, str] = {key: flag for flag, key, _ in _FLAGS}
 _CHOICES: dict[str, tuple[str, ...]] = {

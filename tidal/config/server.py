@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.config._check import check
+from tidal.sampling_params import MAX_N
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +16,15 @@ class ServerConfig:
     api_keys: tuple[str, ...] = ()
     # Default whole-request deadline; a request's own `timeout_s` may only shorten it. None: none.
     request_timeout_s: float | None = None
+    # Default queue deadline: a request not started within this long ends with 504
+    # (finish reason "deadline"); a request's own `queue_timeout_s` may only shorten it. None: none.
+    queue_timeout_s: float | None = None
+    # Most choices (`n`) one request may ask for; each is a sequence with its own KV blocks.
+    max_n: int = 16
+    # Most output tokens one request may ask for over all its prompts and choices (prompts x n x
+    # max_tokens; a null max_tokens counts as the context left after the prompt). None: the
+    # context length (model.max_model_len), so n choices together get one context's worth.
+    max_total_output_tokens: int | None = None
     # Bodies above this get 413. 4 MiB holds a 128k-token prompt sent as text or as token ids.
     max_body_bytes: int = 4 << 20
     # On shutdown, stop accepting and let running requests finish for up to this long.
@@ -61,6 +71,19 @@ class ServerConfig:
             "request_timeout_s",
             self.request_timeout_s,
             "a positive number of seconds or None",
+        )
+        check(
+            self.queue_timeout_s is None or self.queue_timeout_s > 0,
+            "queue_timeout_s",
+            self.queue_timeout_s,
+            "a positive number of seconds or None",
+        )
+        check(1 <= self.max_n <= MAX_N, "max_n", self.max_n, f"an integer in [1, {MAX_N}]")
+        check(
+            self.max_total_output_tokens is None or self.max_total_output_tokens >= 1,
+            "max_total_output_tokens",
+            self.max_total_output_tokens,
+            "an integer >= 1 or None",
         )
         check(
             self.max_body_bytes >= 1024, "max_body_bytes", self.max_body_bytes, "an integer >= 1024"

@@ -39,6 +39,7 @@ class _Add:
     priority: int
     session_id: str | None
     timeout_s: float | None
+    queue_timeout_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +120,7 @@ class AsyncEngine:
         priority: int = 0,
         session_id: str | None = None,
         timeout_s: float | None = None,
+        queue_timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Delta outputs of one request; ends after the finished one.
 
@@ -134,7 +136,14 @@ class AsyncEngine:
         self._streams[request_id] = stream
         self._commands.put(
             _Add(
-                request_id, list(prompt_token_ids), params, prompt, priority, session_id, timeout_s
+                request_id,
+                list(prompt_token_ids),
+                params,
+                prompt,
+                priority,
+                session_id,
+                timeout_s,
+                queue_timeout_s,
             )
         )
         finished = False
@@ -249,6 +258,7 @@ class AsyncEngine:
                     priority=cmd.priority,
                     session_id=cmd.session_id,
                     timeout_s=cmd.timeout_s,
+                    queue_timeout_s=cmd.queue_timeout_s,
                     delta=True,
                 )
             except ValueError as e:

@@ -141,7 +141,14 @@ def check_quantization(
     else:
         say(f"quantization gate: measuring {mode} against float on the held-out text")
         start = time.perf_counter()
-        report = run_gate(path, scheme, threshold, max_tokens=max_tokens, kv_cache_dtype=kv_dtype)
+        report = run_gate(
+            path,
+            scheme,
+            threshold,
+            max_tokens=max_tokens,
+            kv_cache_dtype=kv_dtype,
+            weight_cache=config.model.weight_cache,
+        )
         verdict = verdict_of(report, time.perf_counter() - start)
         save_verdict(Path(path), key, verdict)
         say(f"quantization gate ({verdict.gate_s:.0f} s): {verdict.line()}")

@@ -24,6 +24,7 @@ class AddRequest:
     priority: int = 0
     session_id: str | None = None
     timeout_s: float | None = None
+    queue_timeout_s: float | None = None
 
 
 @dataclass(slots=True)

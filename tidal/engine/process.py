@@ -283,6 +283,7 @@ class _EngineLoop:
                     priority=cmd.priority,
                     session_id=cmd.session_id,
                     timeout_s=cmd.timeout_s,
+                    queue_timeout_s=cmd.queue_timeout_s,
                     delta=True,
                 )
             except ValueError as e:

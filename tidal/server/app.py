@@ -57,6 +57,19 @@ async def warm_up(state: ServerState) -> None:
     await asyncio.gather(one(0), one(1))
 
 
+def warmup_status(state: ServerState) -> dict[str, object]:
+    """/health's view of the warm-up: ok once done, running before the first failure, retrying
+    (with the failed attempts and the last error) after one; off with server.warmup false."""
+    if state.warm:
+        status = "ok" if state.config.server.warmup else "off"
+    else:
+        status = "retrying" if state.warmup_failures else "running"
+    out: dict[str, object] = {"status": status, "failed_attempts": state.warmup_failures}
+    if state.warmup_error is not None:
+        out["last_error"] = state.warmup_error
+    return out
+
+
 def build_app(state: ServerState) -> FastAPI:
     """The app for one served model; the engine thread starts and stops with the app's lifespan."""
 
@@ -167,9 +180,10 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        warmup = warmup_status(state)
         if not state.engine.alive:
-            return JSONResponse({"status": "engine down"}, 503)
-        return JSONResponse({"status": "ok"})
+            return JSONResponse({"status": "engine down", "warmup": warmup}, 503)
+        return JSONResponse({"status": "ok", "warmup": warmup})
 
     @app.get("/ready")
     async def ready() -> Response:
@@ -223,9 +237,11 @@ async def _warm(
             return
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as e:
             delay = _WARM_RETRY_S[min(attempt, len(_WARM_RETRY_S) - 1)]
             attempt += 1
+            state.warmup_failures = attempt
+            state.warmup_error = f"{type(e).__name__}: {e}"
             log.exception(
                 "warm-up failed (attempt %d); /ready stays 503, retrying in %.0f s", attempt, delay
             )

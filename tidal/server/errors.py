@@ -178,6 +178,21 @@ def deadline_exceeded(timeout_s: float) -> APIError:
     )
 
 
+def queue_timeout(queue_timeout_s: float, retry_after_s: float) -> APIError:
+    """504: the request was still queued when its queue_timeout_s (or server.queue_timeout_s)
+    passed; the engine finished it with reason "deadline" before computing anything."""
+    return APIError(
+        504,
+        f"The request did not start within its queue timeout of {queue_timeout_s:g} s: the "
+        "server was busy with the requests ahead of it. Retry later or with a longer "
+        "queue_timeout_s.",
+        "timeout_error",
+        "queue_timeout_s",
+        "queue_timeout",
+        _retry_after(retry_after_s),
+    )
+
+
 def internal_error(request_id: str | None = None) -> APIError:
     """500: a fault inside the server or the engine (a step raised), not a restart; the detail
     goes to the log under request_id, not to the client."""

@@ -24,6 +24,7 @@ from tidal.server.errors import (
     internal_error,
     not_ready,
     queue_full,
+    queue_timeout,
 )
 from tidal.server.guards import MAX_RETRY_AFTER_S, check_deadline, retry_after_s
 from tidal.server.inputs import PromptInput
@@ -72,6 +73,7 @@ class GenerationJob:
     priority: int = 0
     session_id: str | None = None
     timeout_s: float | None = None
+    queue_timeout_s: float | None = None
 
     @property
     def n(self) -> int:
@@ -81,6 +83,7 @@ class GenerationJob:
         state = self.state
         tracker = state.metrics.track()
         reason: str | None = "abort"  # unless the engine says otherwise
+        started_s = asyncio.get_running_loop().time()
         try:
             gen = state.engine.generate(
                 inp.token_ids,
@@ -90,12 +93,19 @@ class GenerationJob:
                 priority=self.priority,
                 session_id=self.session_id,
                 timeout_s=self.timeout_s,
+                queue_timeout_s=self.queue_timeout_s,
             )
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     tracker.update(out)
                     if out.finished:
                         reason = out.outputs[0].finish_reason or "stop"
+                    if self._queue_expired(out, started_s):
+                        reason = "deadline"
+                        out_q.put_nowait(
+                            (i, queue_timeout(self.queue_timeout_s or 0.0, retry_after_s(state)))
+                        )
+                        return
                     out_q.put_nowait((i, out))
             out_q.put_nowait((i, None))
         except QueueFullError:
@@ -111,6 +121,16 @@ class GenerationJob:
         finally:
             if reason is not None:
                 tracker.finish(reason)
+
+    def _queue_expired(self, out: RequestOutput, started_s: float) -> bool:
+        """A choice ended "deadline" before the whole-request timeout_s could have passed: its
+        queue deadline did (the engine's clock starts after ours, so it runs no further)."""
+        if self.queue_timeout_s is None:
+            return False
+        if not any(c.finish_reason == "deadline" for c in out.outputs):
+            return False
+        elapsed_s = asyncio.get_running_loop().time() - started_s
+        return self.timeout_s is None or elapsed_s < self.timeout_s
 
     def _engine_error(self, e: EngineError) -> APIError:
         if self.state.draining:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.config.limits import LimitsConfig
+from tidal.config.server import ServerConfig
 from tidal.sampling_params import SamplingParams
 from tidal.server.errors import bad_request
 from tidal.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
@@ -130,6 +131,43 @@ def check_max_tokens(
             f"the completion). Reduce {param} or the prompt.",
             param,
             "context_length_exceeded",
+        )
+
+
+def check_request_size(
+    params: SamplingParams,
+    prompt_lengths: list[int],
+    limits: PromptLimits,
+    server: ServerConfig,
+    param: str,
+) -> None:
+    """400 when a request asks for more choices than server.max_n, or more output tokens in all
+    (prompts x n x max_tokens) than server.max_total_output_tokens: each choice is a sequence with
+    its own KV blocks, so either unbounded lets one request take every block."""
+    if params.n > server.max_n:
+        raise bad_request(
+            f"n={params.n} is invalid: expected an integer in [1, {server.max_n}] "
+            "(this server's limit, server.max_n).",
+            "n",
+            "invalid_value",
+        )
+    cap = server.max_total_output_tokens or limits.max_model_len
+    # A null max_tokens runs to the context limit, so it counts as the context left.
+    per_prompt = [
+        params.max_tokens if params.max_tokens is not None else limits.max_model_len - length
+        for length in prompt_lengths
+    ]
+    total = params.n * sum(per_prompt)
+    if total > cap:
+        shown = "null" if params.max_tokens is None else str(params.max_tokens)
+        prompts = f"{len(prompt_lengths)} prompts x " if len(prompt_lengths) > 1 else ""
+        raise bad_request(
+            f"The request asks for up to {total} output tokens ({prompts}n={params.n} x "
+            f"{param}={shown}), more than the {cap} one request may ask for "
+            "(server.max_total_output_tokens, by default the context length). Lower n or "
+            f"{param}.",
+            param,
+            "invalid_value",
         )
 
 

@@ -59,7 +59,8 @@ _POST_ERRORS = {
     "429": "The queue is full or the deadline cannot be met; see Retry-After.",
     "503": "Shutting down, or the engine restarted while the request ran (engine_restarted); "
     "see Retry-After.",
-    "504": "The request's deadline (timeout_s or server.request_timeout_s) passed.",
+    "504": "The request's deadline (timeout_s or server.request_timeout_s) passed, or it was "
+    "still queued when its queue_timeout_s (or server.queue_timeout_s) passed (queue_timeout).",
 }
 _ERROR_SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -95,6 +96,7 @@ _SAMPLING: dict[str, dict[str, Any]] = {
     "stop": {"string": {"minLength": 1}, "array": {"items": {"type": "string", "minLength": 1}}},
     "stop_token_ids": {"array": {"items": {"type": "integer", "minimum": 0}}},
     "timeout_s": {"number": {"exclusiveMinimum": 0}},
+    "queue_timeout_s": {"number": {"exclusiveMinimum": 0}},
     "session_id": {"string": {"minLength": 1, "maxLength": 256}},
     "logit_bias": {
         "object": {

@@ -66,9 +66,11 @@ class _SamplingRequest(_Body):
     include_stop_str_in_output: bool | None = False
     stop_token_ids: list[int] | None = None
     # tidal's own: higher runs first; a deadline that may only shorten server.request_timeout_s;
-    # a session id whose turns the prefix cache keeps warm.
+    # a deadline to start by that may only shorten server.queue_timeout_s; a session id whose
+    # turns the prefix cache keeps warm.
     priority: int | None = 0
     timeout_s: float | None = None
+    queue_timeout_s: float | None = None
     session_id: str | None = None
 
     @field_validator("stream_options")
@@ -97,7 +99,7 @@ class _SamplingRequest(_Body):
             raise ValueError("must be a list of token ids >= 0")
         return v
 
-    @field_validator("timeout_s")
+    @field_validator("timeout_s", "queue_timeout_s")
     @classmethod
     def _timeout(cls, v: float | None) -> float | None:
         if v is not None and not v > 0:

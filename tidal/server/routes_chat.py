@@ -22,7 +22,7 @@ from tidal.server.generation import (
     until_disconnect,
 )
 from tidal.server.guards import admit
-from tidal.server.inputs import chat_input, check_logit_bias, check_max_tokens
+from tidal.server.inputs import chat_input, check_logit_bias, check_max_tokens, check_request_size
 from tidal.server.logprobs import chat_logprobs
 from tidal.server.protocol import ChatCompletionRequest, parse_request
 from tidal.server.responses import (
@@ -44,6 +44,7 @@ async def create_chat_completion(request: Request) -> Response:
     check_logit_bias(params, state.limits)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(params, len(inp.token_ids), state.limits, param)
+    check_request_size(params, [len(inp.token_ids)], state.limits, state.config.server, param)
     job = GenerationJob(
         state,
         random_id("chatcmpl"),
@@ -52,6 +53,9 @@ async def create_chat_completion(request: Request) -> Response:
         priority=req.priority or 0,
         session_id=req.session_id,
         timeout_s=effective_timeout_s(req.timeout_s, state.config.server.request_timeout_s),
+        queue_timeout_s=effective_timeout_s(
+            req.queue_timeout_s, state.config.server.queue_timeout_s
+        ),
     )
     num_top = params.logprobs  # None unless logprobs is true
     if req.stream:

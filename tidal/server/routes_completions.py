@@ -22,7 +22,13 @@ from tidal.server.generation import (
     until_disconnect,
 )
 from tidal.server.guards import admit
-from tidal.server.inputs import PromptInput, check_logit_bias, check_max_tokens, completion_inputs
+from tidal.server.inputs import (
+    PromptInput,
+    check_logit_bias,
+    check_max_tokens,
+    check_request_size,
+    completion_inputs,
+)
 from tidal.server.logprobs import completion_logprobs
 from tidal.server.protocol import CompletionRequest, parse_request
 from tidal.server.responses import (
@@ -43,6 +49,8 @@ async def create_completion(request: Request) -> Response:
     check_logit_bias(params, state.limits)
     for inp in inputs:
         check_max_tokens(params, len(inp.token_ids), state.limits, "max_tokens")
+    lengths = [len(inp.token_ids) for inp in inputs]
+    check_request_size(params, lengths, state.limits, state.config.server, "max_tokens")
     job = GenerationJob(
         state,
         random_id("cmpl"),
@@ -51,6 +59,9 @@ async def create_completion(request: Request) -> Response:
         priority=req.priority or 0,
         session_id=req.session_id,
         timeout_s=effective_timeout_s(req.timeout_s, state.config.server.request_timeout_s),
+        queue_timeout_s=effective_timeout_s(
+            req.queue_timeout_s, state.config.server.queue_timeout_s
+        ),
     )
     echo = bool(req.echo)
     num_top = req.logprobs

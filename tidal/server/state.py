@@ -20,6 +20,8 @@ class ServerState:
     model_root: str  # where the checkpoint was loaded from, shown in /v1/models
     limits: PromptLimits
     warm: bool = False  # warm-up done: /ready may answer 200
+    warmup_failures: int = 0  # failed warm-up attempts so far (each retried with backoff)
+    warmup_error: str | None = None  # the last failure, shown in /health while retrying
     draining: bool = False  # shutting down: /ready answers 503, new requests get 503
 
     @property

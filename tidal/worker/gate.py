@@ -175,13 +175,15 @@ def run_gate(
     context_tokens: int | None = None,
     max_tokens: int | None = None,
     kv_cache_dtype: str = "auto",
+    weight_cache: bool = True,
 ) -> GateReport:
     """Score the held-out text with the float model and float KV cache, quantize the weights in
     place (scheme "none" leaves them) and score again through a `kv_cache_dtype` KV cache. For
     the GGUF-block schemes the reference is the file's blocks with float activations.
 
     `model_path` None means the bundled model; `context_tokens` None takes min(the model's context,
-    4096); `max_tokens` truncates the held-out text (tests, quick checks)."""
+    4096); `max_tokens` truncates the held-out text (tests, quick checks); `weight_cache` is
+    model.weight_cache (false: the float load writes no cache file beside a GGUF)."""
     from tidal.loader.model_loader import load_model
     from tidal.loader.tokenizer import load_tokenizer
     from tidal.quant.gguf_blocks import set_activations
@@ -201,7 +203,7 @@ def run_gate(
     native = scheme in NATIVE_SCHEMES
     # The file's own blocks: one load, scored first with float activations (the dequantized
     # model up to summation order, no float copy of the weights) as the reference.
-    loaded = load_model(model_path, gguf_blocks=native)
+    loaded = load_model(model_path, gguf_blocks=native, weight_cache=weight_cache)
     if native:
         set_activations(loaded.model, "f32")
     ids = load_tokenizer(model_path, loaded.arch.family).encode(heldout_text())

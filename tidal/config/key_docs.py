@@ -1,0 +1,250 @@
+"""KEY_DOCS: the one table of what every config key does, its flag and the value the example shows.
+
+`tidal serve --help`, examples/tidal.yaml and the key list in docs/serving.md are all generated
+from it (`python -m tidal.config.reference --write`), and a test fails when a key of
+`tidal.config.keys.KEYS` has no entry here or a committed file differs from what it generates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class _Default:
+    """The marker for "the example shows the dataclass default"."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT = _Default()
+
+
+@dataclass(frozen=True, slots=True)
+class KeyDoc:
+    """One key's documentation: `text` is its --help, its docs line and its YAML comment."""
+
+    text: str
+    flag: str | None = None  # None: set it in the file or as TIDAL_<SECTION>_<KEY>
+    example: object = DEFAULT  # the value examples/tidal.yaml sets ("1GiB" for sizes)
+    note: str | None = None  # a comment line the example prints above the key
+
+
+KEY_DOCS: dict[str, KeyDoc] = {
+    # ---- model
+    "model.path": KeyDoc(
+        "a .gguf file or a safetensors folder; null: the bundled Gemma 3 270M", "--model"
+    ),
+    "model.dtype": KeyDoc(
+        "dtype weights are held in after loading; auto follows hardware.dtype", "--weight-dtype"
+    ),
+    "model.max_model_len": KeyDoc(
+        "context limit (prompt + output); null: the checkpoint's own", "--max-model-len", 4096
+    ),
+    "model.served_model_name": KeyDoc(
+        'the id /v1/models lists and requests send as "model"; null: the file or folder name',
+        "--served-model-name",
+        "gemma-3-270m",
+    ),
+    "model.quantization": KeyDoc(
+        "weight format: auto (a GGUF's own blocks on CPU, else float), gguf, gguf-q8 (int8 "
+        "activations, gated), none, int8, int4, fp8; check one with tidal quantize-check",
+        "--quantization",
+    ),
+    "model.weight_cache": KeyDoc(
+        "float and re-quantized modes: save a GGUF's dequantized weights beside it, so a "
+        "restart memory-maps them (~4 bytes per parameter in float32)"
+    ),
+    # ---- batching
+    "batching.enabled": KeyDoc(
+        "continuous batching; false: one sequence at a time (forces max_num_seqs to 1)",
+        "--batching",
+    ),
+    "batching.max_num_seqs": KeyDoc("most sequences in one engine step", "--max-num-seqs"),
+    "batching.min_num_seqs": KeyDoc(
+        "with target_tpot_ms: the lowest seat cap the controller may set (at most max_num_seqs)",
+        "--min-num-seqs",
+    ),
+    "batching.max_num_batched_tokens": KeyDoc(
+        "most tokens in one step (decodes take 1 each, prefill chunks the rest); the budget "
+        "itself on a GPU without a target",
+        "--max-num-batched-tokens",
+    ),
+    "batching.target_tpot_ms": KeyDoc(
+        "e.g. 150: size each step (prefill chunk, seat cap) so decodes take about this per "
+        "output token, from a step cost model learned while serving; null: no target",
+        "--target-tpot-ms",
+    ),
+    "batching.target_ttft_ms": KeyDoc(
+        "e.g. 10000: raise the prefill share when queued requests would miss this first-token "
+        "time; null: no target",
+        "--target-ttft-ms",
+    ),
+    "batching.cpu_budget_step_ms": KeyDoc(
+        "no target, on CPU: prefill what fits a step this long; null: the fixed "
+        "max_num_batched_tokens",
+        "--cpu-budget-step-ms",
+    ),
+    "batching.enable_chunked_prefill": KeyDoc(
+        "split long prompts across steps so decodes keep flowing", "--chunked-prefill"
+    ),
+    "batching.window_ms": KeyDoc(
+        "the admission window: when idle, wait up to this long to gather arriving prefills "
+        "into one step (the seed layout's dynamic_window); 0: none",
+        "--window-ms",
+    ),
+    "batching.priority_aging_s": KeyDoc(
+        "a waiting request gains one priority level per this many seconds, so none starves",
+        "--priority-aging-s",
+    ),
+    "batching.length_aging_tokens_per_s": KeyDoc(
+        "among prefills of one level shorter ones go first; a second of waiting is worth this "
+        "many tokens of length, so long prompts are not starved"
+    ),
+    # ---- memory
+    "memory.block_size": KeyDoc("tokens per KV block (a multiple of 8)", "--block-size"),
+    "memory.kv_cache_bytes": KeyDoc(
+        "KV pool size, e.g. 2GiB; null: sized from memory_fraction", "--kv-cache-bytes", "1GiB"
+    ),
+    "memory.memory_fraction": KeyDoc(
+        "without kv_cache_bytes: the share of free GPU memory / available RAM for the KV pool",
+        "--memory-fraction",
+    ),
+    "memory.max_cpu_kv_bytes": KeyDoc(
+        "cap on the KV pool when running on the CPU", "--max-cpu-kv-bytes", "1GiB"
+    ),
+    "memory.enable_prefix_caching": KeyDoc(
+        "reuse the KV of shared prompt prefixes (system prompts, chat turns); the seed "
+        "layout's attention_cache",
+        "--prefix-caching",
+    ),
+    "memory.prefix_ttl_s": KeyDoc(
+        "drop idle cached blocks after this many seconds", "--prefix-ttl-s"
+    ),
+    "memory.session_turns": KeyDoc(
+        "turns kept per session_id ahead of anonymous cached blocks", "--session-turns"
+    ),
+    "memory.kv_cache_dtype": KeyDoc(
+        "KV cache storage: auto (the model's dtype), int8 or fp8 (about twice the tokens of "
+        "bfloat16 in the same bytes; gated like quantized weights)",
+        "--kv-cache-dtype",
+    ),
+    "memory.quantization_gate": KeyDoc(
+        "measure perplexity against float before serving a quantized model or KV cache",
+        "--quantization-gate",
+    ),
+    "memory.quantization_gate_threshold_pct": KeyDoc(
+        "the largest perplexity rise (percent) the gate accepts"
+    ),
+    "memory.quantization_gate_max_tokens": KeyDoc(
+        "score only the first N held-out tokens (faster, noisier); null: all of them"
+    ),
+    "memory.force_quantization": KeyDoc(
+        "serve a quantized mode even when the gate measures a rise past the threshold",
+        "--force-quantization",
+    ),
+    # ---- hardware
+    "hardware.device": KeyDoc(
+        "auto (cuda when visible, else cpu), cpu, cuda or cuda:N", "--device"
+    ),
+    "hardware.dtype": KeyDoc("compute dtype: auto, float32, bfloat16 or float16", "--dtype"),
+    "hardware.threads": KeyDoc("torch CPU threads; null: torch's default", "--threads"),
+    "hardware.tensor_parallel": KeyDoc(
+        "devices one model is split across; only 1 (tensor parallelism is not supported yet, "
+        "a larger value is refused)",
+        "--tensor-parallel",
+    ),
+    # ---- limits
+    "limits.max_input_tokens": KeyDoc(
+        "longest prompt accepted; null: the context limit", "--max-input-tokens", 3072
+    ),
+    "limits.truncation": KeyDoc(
+        "over-long prompts: reject (400) or left (drop the oldest tokens, keep the system prompt)",
+        "--truncation",
+    ),
+    # ---- server
+    "server.host": KeyDoc("address to listen on; 0.0.0.0: every interface", "--host"),
+    "server.port": KeyDoc(
+        'port to listen on; 0 picks a free one (printed in the "listening on" line)', "--port"
+    ),
+    "server.api_keys": KeyDoc(
+        "accepted bearer keys; empty: no authentication (--api-key repeats, replacing "
+        "file and environment keys)",
+        "--api-key",
+        note="Keep keys out of files you commit: set TIDAL_SERVER_API_KEYS=key1,key2 or pass "
+        "--api-key.",
+    ),
+    "server.max_queue": KeyDoc(
+        "waiting requests beyond this get 429; null: unbounded", "--max-queue", 256
+    ),
+    "server.request_timeout_s": KeyDoc(
+        "default deadline of a whole request (504); a request's timeout_s may only shorten "
+        "it; null: none",
+        "--request-timeout-s",
+        120.0,
+    ),
+    "server.queue_timeout_s": KeyDoc(
+        "default queue deadline: a request not started within this long gets 504; a "
+        "request's queue_timeout_s may only shorten it; null: none",
+        "--queue-timeout-s",
+    ),
+    "server.max_n": KeyDoc(
+        "most choices (n) one request may ask for (400 above it; at most 128)", "--max-n"
+    ),
+    "server.max_total_output_tokens": KeyDoc(
+        "most output tokens one request may ask for: prompts x n x max_tokens (400 above it); "
+        "null: the context length",
+        "--max-total-output-tokens",
+    ),
+    "server.max_body_bytes": KeyDoc("larger request bodies get 413", "--max-body-bytes", "4MiB"),
+    "server.drain_timeout_s": KeyDoc(
+        "on SIGTERM, let running requests finish for up to this long", "--drain-timeout-s"
+    ),
+    "server.warmup": KeyDoc(
+        "run a tiny request before /ready answers 200 (retried with backoff if it fails)",
+        "--warmup",
+    ),
+    "server.engine_process": KeyDoc(
+        "run the engine in its own supervised process; false: a thread of the API process"
+    ),
+    "server.watchdog_timeout_s": KeyDoc(
+        "an engine with work and no progress this long counts as hung and is restarted"
+    ),
+    "server.engine_max_restarts": KeyDoc(
+        "more restarts than this within engine_restart_window_s: the server exits 1"
+    ),
+    "server.engine_restart_window_s": KeyDoc("the window engine_max_restarts counts in"),
+    "server.stream_interval_ms": KeyDoc(
+        "a stream sends new text at most this often, the tokens in between merged; 0: every step",
+        "--stream-interval-ms",
+    ),
+    "server.sse_keepalive_s": KeyDoc(
+        "SSE comment this often while a streamed request waits in the queue; 0: none",
+        "--sse-keepalive-s",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SeedKey:
+    """A name from the seed's `fastgpt_config.yaml` layout, and what tidal does with it."""
+
+    target: str | None  # the tidal key it sets; None: refused
+    text: str
+
+
+# Read only from a YAML file (the seed's layout had no environment variables or flags). The
+# seed nests its sections under `optimization:`; the loader takes that wrapper too.
+SEED_KEYS: dict[str, SeedKey] = {
+    "batching.dynamic_window": SeedKey(
+        "batching.window_ms",
+        "milliseconds (20), a duration ('20ms', '0.02s'), true (20 ms) or false (0: none)",
+    ),
+    "memory.attention_cache": SeedKey("memory.enable_prefix_caching", "true or false"),
+    "memory.checkpoint_interval": SeedKey(
+        None,
+        "gradient checkpointing, a training setting: it trades recomputed activations in the "
+        "backward pass for memory, and inference runs no backward pass, so it has no meaning "
+        "for serving; remove it",
+    ),
+}
