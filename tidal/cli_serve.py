@@ -64,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
 def serve(cfg: TidalConfig) -> int:
     import uvicorn
 
-    from tidal.engine.async_engine import AsyncEngine, EngineError
-    from tidal.engine.builder import build_engine
+    from tidal.engine.errors import EngineError
     from tidal.server.app import build_app
     from tidal.server.inputs import PromptLimits
     from tidal.server.metrics import ServerMetrics
@@ -84,18 +83,7 @@ def serve(cfg: TidalConfig) -> int:
             print(f"tidal serve: the engine failed to start: {e}", file=sys.stderr)
             return 1
     else:
-        core = build_engine(cfg.engine, on_step=metrics.on_step, progress=log.info)
-        metrics.model_load.set(core.loaded.load_time_s)
-        if core.loaded.device.type == "cuda":
-            import torch
-
-            metrics._device_memory_bytes = torch.cuda.get_device_properties(
-                core.loaded.device
-            ).total_memory
-        engine = AsyncEngine(core)
-        metrics.engine_up.set(1)
-        model_root = str(core.loaded.path)
-        max_model_len, vocab_size = core.max_model_len, core.loaded.arch.vocab_size
+        engine, model_root, max_model_len, vocab_size = _in_thread_engine(cfg, metrics)
     state = ServerState(
         engine=engine,
         config=cfg,
@@ -125,20 +113,45 @@ def serve(cfg: TidalConfig) -> int:
     sys.stdout.write(f"tidal: serving {state.served_name!r} listening on http://{host}:{port}\n")
     sys.stdout.flush()
     server.run(sockets=[sock])
-    fatal = getattr(engine, "fatal", None)
+    fatal = engine.fatal
     if fatal:
         print(f"tidal serve: {fatal}", file=sys.stderr)
         return 1
     return 0
 
 
+def _hook_metrics(engine, metrics) -> None:  # engine: tidal.client.engine_client.EngineClient
+    engine.on_step = metrics.on_step
+    engine.on_up = lambda up: metrics.engine_up.set(1 if up else 0)
+    engine.on_restart = metrics.engine_restarts.inc
+    engine.on_request_failed = lambda reason: metrics.requests_failed.labels(reason=reason).inc()
+
+
+def _in_thread_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model root, len, vocab)
+    """Load the model into this process (server.engine_process: false) behind the same client."""
+    from tidal.client.in_thread import InThreadEngineClient
+    from tidal.engine.builder import build_engine
+
+    core = build_engine(cfg.engine, progress=log.info)
+    metrics.model_load.set(core.loaded.load_time_s)
+    if core.loaded.device.type == "cuda":
+        import torch
+
+        metrics._device_memory_bytes = torch.cuda.get_device_properties(
+            core.loaded.device
+        ).total_memory
+    engine = InThreadEngineClient(core)
+    _hook_metrics(engine, metrics)
+    return engine, str(core.loaded.path), core.max_model_len, core.loaded.arch.vocab_size
+
+
 def _supervised_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model root, len, vocab)
     """Start the engine process (blocking until it is loaded) with the metrics hooked to it."""
-    from tidal.client.engine_client import EngineClient
+    from tidal.client.supervised import SupervisedEngineClient
     from tidal.supervisor.restart_policy import RestartPolicy
 
     server = cfg.server
-    engine = EngineClient(
+    engine = SupervisedEngineClient(
         cfg.engine,
         policy=RestartPolicy(
             max_restarts=server.engine_max_restarts, window_s=server.engine_restart_window_s
@@ -147,10 +160,7 @@ def _supervised_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model ro
         warmup_on_restart=server.warmup,
         log_level=logging.getLogger().getEffectiveLevel(),
     )
-    engine.on_step = metrics.on_step
-    engine.on_up = lambda up: metrics.engine_up.set(1 if up else 0)
-    engine.on_restart = metrics.engine_restarts.inc
-    engine.on_request_failed = lambda reason: metrics.requests_failed.labels(reason=reason).inc()
+    _hook_metrics(engine, metrics)
     info = engine.launch()  # ValueError: a bad setting (exit 2); EngineError: a crash (exit 1)
     metrics.model_load.set(info.load_time_s)
     metrics._device_memory_bytes = info.device_memory_bytes

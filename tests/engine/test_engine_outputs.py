@@ -15,7 +15,7 @@ from tests.engine.engine_util import (
 from tests.kv.pool_check import assert_pool_clean
 from tests.models.paged import PagedBatch
 from tidal.engine.core import EngineCore
-from tidal.engine.output import Logprob, RequestOutput
+from tidal.engine.output import Logprob, RequestDelta, RequestOutput
 from tidal.sampling_params import SamplingParams
 
 TEXT = "The tide comes in and the tide goes out."
@@ -214,3 +214,41 @@ def test_preempted_request_reports_each_prompt_logprob_once(tiny_model_dir):
             assert a is not None and b is not None and a.keys() == b.keys()
             assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert_pool_clean(tight.kv)
+
+
+# ---- streamed (delta) outputs -----------------------------------------------------------------
+
+
+def test_a_streamed_request_sends_only_what_is_new(tiny_model_dir):
+    """Each delta carries the step's new tokens and logprobs; the prompt's logprobs cross once,
+    complete, on the first delta, even when the prefill is chunked; metrics ride along only
+    until the first token and at the finish. Together they equal the full output."""
+    engine = make_engine(tiny_model_dir, max_num_batched_tokens=8, max_num_seqs=4)
+    ids = engine.tokenizer.encode(TEXT)
+    assert len(ids) > 16  # three prefill chunks at least
+    params = SamplingParams(
+        temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=1
+    )
+    assert engine.add_request("delta", ids, params, delta=True)
+    deltas: list[RequestDelta] = []
+    while engine.has_unfinished():
+        deltas += engine.step()  # type: ignore[arg-type]
+    full = run_to_completion_one(engine, "full", ids, params)
+
+    assert all(isinstance(d, RequestDelta) for d in deltas)
+    assert [d.prompt_logprobs is not None for d in deltas] == [True] + [False] * (len(deltas) - 1)
+    assert deltas[0].prompt_logprobs == full.prompt_logprobs
+    assert len(deltas[0].prompt_logprobs) == len(ids)
+    outs = [d.outputs[0] for d in deltas]
+    assert sum((o.token_ids for o in outs), []) == full.outputs[0].token_ids
+    assert sum((o.logprobs or [] for o in outs), []) == full.outputs[0].logprobs
+    assert "".join(o.text for o in outs) == full.outputs[0].text
+    # A delta without new tokens brings the prompt's logprobs (the last chunk can be a
+    # single token away from the first sample) or the finish, never a bare prefill chunk.
+    assert all(o.token_ids or d.finished or d.prompt_logprobs for o, d in zip(outs, deltas))
+    assert {d.num_prompt_tokens for d in deltas} == {len(ids)}
+    first = next(i for i, o in enumerate(outs) if o.token_ids)
+    with_metrics = [True] * (first + 1) + [False] * (len(deltas) - first - 2) + [True]
+    assert [d.metrics is not None for d in deltas] == with_metrics
+    assert deltas[-1].finished and deltas[-1].metrics.num_generation_tokens == 6
+    assert all(d.last_token_time_s is not None for d in deltas[first:])

@@ -17,7 +17,7 @@ from tidal.engine.messages import (
     Shutdown,
     StepOutputs,
 )
-from tidal.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tidal.engine.output import CompletionOutput, Logprob, RequestDelta, RequestMetrics
 from tidal.engine.stats import StepStats
 from tidal.sampling_params import SamplingParams
 
@@ -31,10 +31,9 @@ _STATS = StepStats(
     num_prefill_tokens=6, attended_keys=40, cost_coefficients=(0.01, 0.001, 0.004, 0.0005),
     headroom=0.9,
 )  # fmt: skip
-_OUTPUT = RequestOutput(
+_OUTPUT = RequestDelta(
     request_id="cmpl-1-0",
-    prompt="Hi",
-    prompt_token_ids=[2, 40, 41],
+    num_prompt_tokens=3,
     prompt_logprobs=[None, {40: Logprob(-1.5, 3, "H")}, {41: Logprob(-0.25, 1, "i")}],
     outputs=[
         CompletionOutput(
@@ -46,6 +45,7 @@ _OUTPUT = RequestOutput(
     finished=True,
     metrics=RequestMetrics(1.0, 1.1, 1.2, 1.2, 1.3, 3, 1, 0, 0),
     num_cached_tokens=0,
+    last_token_time_s=1.2,
 )  # fmt: skip
 
 MESSAGES = [

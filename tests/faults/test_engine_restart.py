@@ -19,7 +19,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.tiny_server import ServerProcess
-from tidal.client.engine_client import _SPAWN_OVERHEAD_S, EngineClient, EngineInterrupted
+from tidal.client.engine_client import EngineInterrupted
+from tidal.client.supervised import _SPAWN_OVERHEAD_S, SupervisedEngineClient
 from tidal.config.engine import EngineConfig
 from tidal.config.model import ModelConfig
 from tidal.engine.messages import EngineReady
@@ -172,7 +173,9 @@ def test_sigkill_under_load_fails_started_and_reruns_waiting(
 
 def test_restart_estimate_is_the_last_measured_restart() -> None:
     now = [100.0]
-    client = EngineClient(EngineConfig(model=ModelConfig(path="/nowhere")), clock=lambda: now[0])
+    client = SupervisedEngineClient(
+        EngineConfig(model=ModelConfig(path="/nowhere")), clock=lambda: now[0]
+    )
     client.info = EngineReady(
         pid=1, incarnation=0, max_model_len=64, vocab_size=128, num_blocks=8,
         load_time_s=3.5, device_type="cpu", device_memory_bytes=None,
@@ -188,7 +191,7 @@ def test_restart_estimate_is_the_last_measured_restart() -> None:
 
 
 def test_a_fatal_client_refuses_with_engine_interrupted() -> None:
-    client = EngineClient(EngineConfig(model=ModelConfig(path="/nowhere")))
+    client = SupervisedEngineClient(EngineConfig(model=ModelConfig(path="/nowhere")))
     client.supervisor.fatal = "the engine failed 3 times within 300 s; giving up"
     gen = client.generate([1, 2], SamplingParams(max_tokens=1), "r1")
     with pytest.raises(EngineInterrupted) as info:

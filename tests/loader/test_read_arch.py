@@ -40,3 +40,18 @@ def test_the_header_is_parsed_once_until_the_file_changes(
 def test_a_missing_file_is_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         read_arch(tmp_path / "nope.gguf")
+
+
+def test_the_torch_free_reader_gives_the_same_arch(tmp_path: Path) -> None:
+    """The API process reads the architecture without torch; it must agree with the loader's."""
+    from tests.server.tiny_server import make_tiny_checkpoint
+    from tidal.loader.arch_reader import read_arch_config
+
+    gguf = tmp_path / "tiny.gguf"
+    write_tiny_quantized_gemma(gguf)
+    hf_dir = make_tiny_checkpoint(tmp_path / "hf")
+    for path in (gguf, hf_dir):
+        assert read_arch_config(path) == read_arch(path)[0]
+    for bad in (tmp_path / "missing.gguf", tmp_path):
+        with pytest.raises(ValueError, match="does not exist|without config.json"):
+            read_arch_config(bad)

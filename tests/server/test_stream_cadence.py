@@ -14,17 +14,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import KV_BYTES
 from tests.server.tiny_server import ServerProcess, serve
-from tidal.engine.output import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from tidal.engine.output import CompletionOutput, Logprob, RequestDelta, RequestMetrics
 from tidal.engine.stats import StepStats
 from tidal.server.errors import APIError, queue_full
 from tidal.server.generation import merge_deltas, open_stream
 from tidal.server.metrics import ServerMetrics
 
 
-def _out(text: str, ids: list[int], finish: str | None = None, lp: bool = False) -> RequestOutput:
+def _out(text: str, ids: list[int], finish: str | None = None, lp: bool = False) -> RequestDelta:
     logprobs = [{t: Logprob(-0.5, 1, None)} for t in ids] if lp else None
     choice = CompletionOutput(0, text, ids, None, logprobs, finish, None)
-    return RequestOutput("r", None, [1, 2], None, [choice], finish is not None)
+    return RequestDelta("r", [choice], finish is not None, num_prompt_tokens=2)
 
 
 def test_merge_deltas_concatenates_text_tokens_and_logprobs() -> None:
@@ -40,7 +40,7 @@ def test_merge_deltas_concatenates_text_tokens_and_logprobs() -> None:
 
 
 async def _outs(
-    items: list[tuple[int, RequestOutput] | APIError], gate: asyncio.Event
+    items: list[tuple[int, RequestDelta] | APIError], gate: asyncio.Event
 ) -> AsyncIterator:
     await gate.wait()
     for item in items:

@@ -1,31 +1,28 @@
-"""EngineClient: AsyncEngine's API backed by a supervised engine process that is restarted when it dies or hangs."""
+"""EngineClient: the one engine interface the server holds; per-request queues fed by one output handler.
+
+Two engines sit behind it: `client/in_thread.py` runs the EngineLoop on a thread of this process,
+`client/supervised.py` runs it in a supervised engine process. Both hand each StepOutputs to
+`engine_message`, on the event loop, which puts every RequestDelta on its request's queue; the
+server's SSE writer reads that queue directly (`submit`): no task or second queue in between.
+
+NOTE: this module, and everything it imports, must not import torch: the API process of a
+supervised `tidal serve` holds this interface and never loads the model.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from tidal.config.engine import EngineConfig
-from tidal.engine.async_engine import EngineError, QueueFullError
-from tidal.engine.messages import (
-    AbortRequest,
-    AddRequest,
-    EngineReady,
-    StepOutputs,
-)
-from tidal.engine.output import RequestOutput
-from tidal.engine.process import FAULT_ENV
+from tidal.engine.errors import EngineError, QueueFullError
+from tidal.engine.messages import AbortRequest, AddRequest, StepOutputs, ToEngine
+from tidal.engine.output import RequestDelta
 from tidal.engine.stats import StepStats
 from tidal.sampling_params import SamplingParams
-from tidal.supervisor.handle import EngineStartError
-from tidal.supervisor.restart_policy import RestartPolicy
-from tidal.supervisor.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +30,6 @@ log = logging.getLogger(__name__)
 # estimate until a few requests have finished (a rate from one or two would swing wildly).
 _RATE_WINDOW_S = 60.0
 _RATE_MIN_SAMPLES = 4
-# Starting an engine process costs more than loading the model: the interpreter, torch's import
-# and warm-up. Added to the load time for a restart estimate before one has been measured.
-_SPAWN_OVERHEAD_S = 2.0
 
 
 class EngineInterrupted(EngineError):
@@ -50,148 +44,80 @@ class EngineInterrupted(EngineError):
         self.retry_after_s = retry_after_s
 
 
+# What a request's queue receives: (the caller's tag, a delta), or (tag, the exception ending it).
+Item = tuple[int, RequestDelta | BaseException]
+
+
 @dataclass(slots=True)
 class _Stream:
-    queue: asyncio.Queue[RequestOutput | BaseException]
+    queue: asyncio.Queue[Item]  # the caller's: one per API request, shared by its prompts
+    tag: int
     add: AddRequest  # kept so a request that has not started can run again on a new engine
     started: bool = False  # an output reached the caller: it cannot be replayed
 
 
 class EngineClient:
-    """The asyncio face of a supervised engine process; the same public API as AsyncEngine.
+    """The asyncio face of one engine; subclasses say where its EngineLoop runs.
 
-    When the engine dies or hangs, `alive` turns False at once; requests that already produced
-    output fail with EngineInterrupted (counted under reason "engine_died" / "engine_hung");
-    requests that produced nothing stay queued here and are sent again to the restarted engine.
-    When the restart budget is spent every request fails ("engine_gave_up") and `on_fatal` runs.
-    A request the engine itself fails (a step raised) ends with a plain EngineError
-    ("engine_error").
+    A subclass implements `_send` (a command to the loop), `start`, `shutdown` and `alive`, and
+    calls `engine_message` on the event loop with each StepOutputs. Everything else (streams,
+    failures, statistics, the hooks) is here, once.
 
-    Hooks (all on the event loop): `on_step(StepStats)`, `on_output(RequestOutput)`,
+    Hooks (all on the event loop): `on_step(StepStats)`, `on_output(RequestDelta)`,
     `on_up(bool)`, `on_restart()`, `on_request_failed(reason)`, `on_fatal()`.
     """
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        *,
-        policy: RestartPolicy | None = None,
-        watchdog_timeout_s: float = 30.0,
-        warmup_on_restart: bool = True,
-        fault_spec: str | None = None,
-        log_level: int = logging.INFO,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        from tidal.engine.builder import model_path
-
-        # Resolve the checkpoint once here: the bundled model may be assembled on first use,
-        # and the engine process must not race the API process (or itself, after a restart).
-        path = model_path(config)
-        self.config = dataclasses.replace(
-            config, model=dataclasses.replace(config.model, path=path)
-        )
-        self.model_path = path
-        if fault_spec is None:
-            fault_spec = os.environ.get(FAULT_ENV) or None
-        self.supervisor = Supervisor(
-            self.config,
-            self,
-            policy=policy,
-            watchdog_timeout_s=watchdog_timeout_s,
-            warmup_on_restart=warmup_on_restart,
-            fault_spec=fault_spec,
-            log_level=log_level,
-            clock=clock,
-        )
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.on_step: Callable[[StepStats], None] | None = None
-        self.on_output: Callable[[RequestOutput], None] | None = None
+        self.on_output: Callable[[RequestDelta], None] | None = None
         self.on_up: Callable[[bool], None] | None = None
         self.on_restart: Callable[[], None] | None = None
         self.on_request_failed: Callable[[str], None] | None = None
         self.on_fatal: Callable[[], None] | None = None
         self.ready = False  # set by the server once warm-up is done
-        self.info: EngineReady | None = None
-        self.tokenizer = None  # tidal.loader.tokenizer.Tokenizer, loaded here by launch()
+        self.tokenizer = None  # tidal.loader.tokenizer.Tokenizer
         self._streams: dict[str, _Stream] = {}
         self._stats: StepStats | None = None
-        self._started = False
-        self._closed = False
         self._clock = clock
         self._finished_at: deque[float] = deque(maxlen=1024)  # clock times of recent finishes
-        self._down_at: float | None = None  # clock time the engine last went down
-        self.last_restart_s: float | None = None  # down -> up of the last restart, measured
 
-    # ---- lifecycle ----------------------------------------------------------------------------
+    # ---- what a subclass provides ---------------------------------------------------------------
 
-    def launch(self) -> EngineReady:
-        """Start the engine process and load the tokenizer here meanwhile; blocks until ready.
-
-        Raises ValueError for a setting the engine rejected, EngineError if it failed otherwise.
-        """
-        from concurrent.futures import ThreadPoolExecutor
-
-        from tidal.loader.model_loader import read_arch
-        from tidal.loader.tokenizer import load_tokenizer
-
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            engine = pool.submit(self.supervisor.launch)
-            self.tokenizer = load_tokenizer(self.model_path, read_arch(self.model_path)[0].family)
-            try:
-                self.info = engine.result()
-            except EngineStartError as e:
-                if e.kind == "config":
-                    raise ValueError(str(e)) from None
-                raise EngineError(str(e)) from None
-        return self.info
+    def _send(self, cmd: ToEngine) -> None:
+        raise NotImplementedError
 
     def start(self) -> None:
-        """Start watching the engine; call from the event loop that will consume outputs."""
-        if self._started:
-            return
-        if self.info is None:
-            self.launch()
-        self._started = True
-        self.supervisor.start()
-        if self.on_up is not None:
-            self.on_up(True)
+        """Start the engine; call from the event loop that will consume outputs."""
+        raise NotImplementedError
 
     async def shutdown(self) -> None:
-        """Stop the engine process; requests still in flight fail with EngineError."""
-        if self._closed:
-            return
-        self._closed = True
-        await self.supervisor.stop()
-        self._fail_all(EngineError("the engine is shut down"), reason=None)
-        if self.on_up is not None:
-            self.on_up(False)
+        """Stop the engine; requests still in flight fail with EngineError."""
+        raise NotImplementedError
 
     @property
     def alive(self) -> bool:
-        return self._started and not self._closed and self.supervisor.up
+        raise NotImplementedError
 
     @property
     def engine_pid(self) -> int | None:
-        """The pid of the engine process while it serves; None while it is down or restarting."""
-        return self.supervisor.pid if self.alive else None
-
-    def restart_estimate_s(self) -> float:
-        """How long until a restarted engine serves: the last restart as measured (down to up),
-        else the coming backoff plus the first engine's load time and the spawn overhead."""
-        if self.last_restart_s is not None:
-            return self.last_restart_s
-        budget = self.supervisor.budget
-        p = budget.policy
-        backoff_s = min(p.backoff_max_s, p.backoff_initial_s * 2**budget.num_recent)
-        load_s = self.info.load_time_s if self.info is not None else 0.0
-        return backoff_s + load_s + _SPAWN_OVERHEAD_S
+        """The pid of a separate engine process while it serves; None otherwise."""
+        return None
 
     @property
     def fatal(self) -> str | None:
-        """Why the supervisor gave up, or None."""
-        return self.supervisor.fatal
+        """Why the engine is gone for good (the restart budget is spent), or None."""
+        return None
+
+    def _check_can_generate(self) -> None:
+        """Raise the error a new request gets when the engine cannot take it."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+
+    # ---- state --------------------------------------------------------------------------------
 
     @property
     def stats(self) -> StepStats | None:
+        """The latest step's statistics the engine reported."""
         return self._stats
 
     @property
@@ -210,26 +136,29 @@ class EngineClient:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    async def generate(
+    def submit(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
         request_id: str,
+        queue: asyncio.Queue[Item],
         *,
+        tag: int = 0,
         prompt: str | None = None,
         priority: int = 0,
         session_id: str | None = None,
         timeout_s: float | None = None,
         queue_timeout_s: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Delta outputs of one request; ends after the finished one (see AsyncEngine.generate).
+    ) -> None:
+        """Queue one request; its deltas arrive on `queue` as (tag, RequestDelta), the last one
+        finished, or end with (tag, exception): QueueFullError when the waiting queue is full,
+        ValueError for a prompt the engine can never serve, EngineError when the engine fails.
 
-        While the engine restarts a new request waits here and runs on the new engine.
+        Raises EngineError (or EngineInterrupted) when the engine cannot take requests, and
+        ValueError for a request_id already in flight. A caller that stops reading before the
+        finished delta must `cancel` the request, so its KV is freed at once.
         """
-        if self.fatal is not None:
-            raise EngineInterrupted(self.fatal, "gave_up", None)
-        if not self._started or self._closed:
-            raise EngineError("the engine is not running")
+        self._check_can_generate()
         if request_id in self._streams:
             raise ValueError(f"request_id={request_id!r} is invalid: it is already in use")
         add = AddRequest(
@@ -242,13 +171,29 @@ class EngineClient:
             timeout_s,
             queue_timeout_s,
         )
-        stream = _Stream(asyncio.Queue(), add)
-        self._streams[request_id] = stream
-        self.supervisor.send(add)  # while the engine is down, engine_up sends it
+        self._streams[request_id] = _Stream(queue, tag, add)
+        self._send(add)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop delivering a request's outputs and abort it in the engine; finished ids are ignored."""
+        if self._streams.pop(request_id, None) is not None:
+            self._send(AbortRequest(request_id))
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        **kwargs: object,
+    ) -> AsyncIterator[RequestDelta]:
+        """Delta outputs of one request (`submit`'s keyword arguments); ends after the finished
+        one and raises its error. Closing the iterator early aborts the request."""
+        queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.submit(prompt_token_ids, params, request_id, queue, **kwargs)  # type: ignore[arg-type]
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                _, item = await queue.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped it
                     raise item
@@ -257,25 +202,25 @@ class EngineClient:
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
             if not finished:
-                self.supervisor.send(AbortRequest(request_id))
+                self.cancel(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (its iterator then ends with an aborted output); unknown ids are ignored."""
+        self._send(AbortRequest(request_id))
 
     def interrupt_all(self, detail: str) -> int:
         """End every request in flight with EngineError(detail) and abort it in the engine; the count."""
         num = len(self._streams)
         for request_id in list(self._streams):
-            self.supervisor.send(AbortRequest(request_id))
+            self._send(AbortRequest(request_id))
         self._fail_all(EngineError(detail), reason=None)
         return num
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request (its iterator then ends with an aborted output); unknown ids are ignored."""
-        self.supervisor.send(AbortRequest(request_id))
-
-    # ---- EngineListener (the supervisor calls these on the event loop) -------------------------
+    # ---- the output handler (event loop) ------------------------------------------------------
 
     def engine_message(self, msg: object) -> None:
+        """One StepOutputs from the engine loop: each delta onto its request's queue."""
         if not isinstance(msg, StepOutputs):
             log.error("unexpected message from the engine: %r", type(msg).__name__)
             return
@@ -284,12 +229,14 @@ class EngineClient:
                 _safely(self.on_output, out)
             if out.finished:
                 self._finished_at.append(self._clock())
-            stream = self._streams.get(out.request_id)
+                stream = self._streams.pop(out.request_id, None)
+            else:
+                stream = self._streams.get(out.request_id)
             if stream is not None:
                 stream.started = True
-                stream.queue.put_nowait(out)
+                stream.queue.put_nowait((stream.tag, out))
         for f in msg.failures:
-            stream = self._streams.get(f.request_id)
+            stream = self._streams.pop(f.request_id, None)
             if stream is None:
                 continue
             if f.kind == "queue_full":
@@ -299,59 +246,15 @@ class EngineClient:
             else:
                 error = EngineError(f.message)
                 self._count_failed("engine_error")
-            stream.queue.put_nowait(error)
+            stream.queue.put_nowait((stream.tag, error))
         if msg.stats is not None:
             self._stats = msg.stats
             if self.on_step is not None:
                 _safely(self.on_step, msg.stats)
 
-    def engine_down(self, reason: str, detail: str) -> None:
-        if self.on_up is not None:
-            self.on_up(False)
-        self._down_at = self._clock()
-        error = EngineInterrupted(
-            f"{detail}; the request was interrupted and cannot be resumed",
-            reason,
-            self.restart_estimate_s(),
-        )
-        failed = kept = 0
-        for request_id, stream in list(self._streams.items()):
-            if stream.started:
-                # Tokens already reached the caller: replaying would repeat or change them.
-                del self._streams[request_id]
-                stream.queue.put_nowait(error)
-                self._count_failed(f"engine_{reason}")
-                failed += 1
-            else:
-                kept += 1
-        log.warning(
-            "engine down: %d started requests failed, %d kept for the new engine", failed, kept
-        )
-
-    def engine_up(self, ready: EngineReady, restarted: bool) -> None:
-        self.info = ready
-        if restarted and self._down_at is not None:
-            self.last_restart_s = self._clock() - self._down_at
-        for stream in self._streams.values():
-            self.supervisor.send(stream.add)
-        if restarted and self.on_restart is not None:
-            self.on_restart()
-        if self.on_up is not None:
-            self.on_up(True)
-
-    def engine_fatal(self, detail: str) -> None:
-        self._fail_all(EngineInterrupted(detail, "gave_up", None), reason="engine_gave_up")
-        if self.on_fatal is not None:
-            self.on_fatal()
-
-    def has_work(self) -> bool:
-        return bool(self._streams)
-
-    # ---- helpers ------------------------------------------------------------------------------
-
     def _fail_all(self, error: BaseException, reason: str | None) -> None:
         for stream in self._streams.values():
-            stream.queue.put_nowait(error)
+            stream.queue.put_nowait((stream.tag, error))
             if reason is not None:
                 self._count_failed(reason)
         self._streams.clear()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.config.engine import EngineConfig
-from tidal.engine.output import OutputState, RequestOutput, make_logprobs
+from tidal.engine.output import OutputState, RequestDelta, RequestOutput, make_logprobs
 from tidal.engine.stats import StepStats
 from tidal.kv.block_pool import num_blocks_for_budget
 from tidal.kv.layout import KVLayout
@@ -31,6 +31,7 @@ class _Parent:
     prompt: str | None
     delta: bool
     children: list[OutputState] = field(default_factory=list)
+    sent_first_token: bool = False  # delta: the first choice's first token has been returned
 
     @property
     def finished(self) -> bool:
@@ -40,8 +41,9 @@ class _Parent:
 class EngineCore:
     """Owns the scheduler, the KV manager, the model runner and every request's output state.
 
-    `add_request` queues work; each `step` runs one batch and returns the outputs that changed.
-    The offline `LLM` and the async server engine both drive this one class.
+    `add_request` queues work; each `step` runs one batch and returns the outputs that changed:
+    a full `RequestOutput` per request, or (`delta=True`) a `RequestDelta` of what is new.
+    The offline `LLM` and the engine loop (engine/loop.py) both drive this one class.
     """
 
     def __init__(
@@ -190,7 +192,7 @@ class EngineCore:
 
     # ---- one step -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | RequestDelta]:
         """Run one batch; returns an output for every request that changed (finished ones last)."""
         start = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -202,7 +204,7 @@ class EngineCore:
                 touched[parent.request_id] = parent
         result = self.runner.execute(sched)
         self._update(sched, result, touched)
-        outputs = [self._output(p) for p in touched.values()]
+        outputs = [out for p in touched.values() if (out := self._output(p)) is not None]
         for parent in touched.values():
             if parent.finished:
                 self._forget(parent)
@@ -268,14 +270,42 @@ class EngineCore:
             lp.token_id, lp.logprob, lp.rank, lp.top_ids, lp.top_logprobs, self.tokenizer
         )
 
-    def _output(self, parent: _Parent) -> RequestOutput:
-        outs = [c.to_output(delta=parent.delta) for c in parent.children]
+    def _output(self, parent: _Parent) -> RequestOutput | RequestDelta | None:
+        if parent.delta:
+            return self._delta(parent)
+        outs = [c.to_output() for c in parent.children]
         first = outs[0]
         if len(outs) > 1:
             first.request_id = parent.request_id
             first.outputs = [o.outputs[0] for o in outs]
             first.finished = parent.finished
         return first
+
+    def _delta(self, parent: _Parent) -> RequestDelta | None:
+        """What changed this step, or None when nothing a caller can see did (a prefill chunk
+        whose prompt logprobs are not complete yet)."""
+        first = parent.children[0]
+        outputs = [c.take_completion() for c in parent.children]
+        prompt_logprobs = first.take_prompt_logprobs()  # the choices share one prompt
+        finished = parent.finished
+        changed = any(o.text or o.token_ids or o.finish_reason for o in outputs)
+        if not (changed or finished or prompt_logprobs is not None):
+            return None
+        metrics = None
+        if finished or not parent.sent_first_token:
+            metrics = first.metrics()
+            parent.sent_first_token = metrics.first_token_time_s is not None
+        req = first.request
+        return RequestDelta(
+            request_id=parent.request_id,
+            outputs=outputs,
+            finished=finished,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs,
+            metrics=metrics,
+            last_token_time_s=first.last_token_time_s,
+        )
 
     def _parent_of(self, child_id: str) -> _Parent | None:
         pid = self._child_parent.get(child_id)

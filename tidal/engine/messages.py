@@ -2,7 +2,7 @@
 
 API process -> engine process: AddRequest, AbortRequest, Shutdown.
 Engine process -> API process: EngineReady (once, after loading), StepOutputs (one per step that
-changed anything, outputs batched), Heartbeat (~every 0.5 s from its own thread), EngineFailed
+changed anything, outputs batched; each RequestDelta carries only what is new), Heartbeat (~every 0.5 s from its own thread), EngineFailed
 (the engine could not start). Every message pickles; tests/engine/test_messages.py round-trips each.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tidal.engine.output import RequestOutput
+from tidal.engine.output import RequestDelta
 from tidal.engine.stats import StepStats
 from tidal.sampling_params import SamplingParams
 
@@ -64,7 +64,7 @@ class RequestFailure:
 class StepOutputs:
     """Everything one engine step (or one batch of commands) produced, in one message."""
 
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[RequestDelta] = field(default_factory=list)
     failures: list[RequestFailure] = field(default_factory=list)
     stats: StepStats | None = None  # the step's statistics; None when no step ran
     num_steps: int = 0  # steps run by this engine so far (progress for the watchdog)

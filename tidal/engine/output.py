@@ -1,4 +1,4 @@
-"""OutputState: one request's generated text, tokens, logprobs and finish, as vLLM-shaped outputs."""
+"""OutputState: one request's generated text, tokens, logprobs and finish, as vLLM-shaped outputs or per-step deltas."""
 
 from __future__ import annotations
 
@@ -54,6 +54,27 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """One step's change to one streamed request: what crosses from the engine to its client.
+
+    Only what is new crosses each step: the choices' new text, new token ids and their logprobs,
+    and the finish. The prompt never crosses back (the caller sent it); its logprobs cross once,
+    complete, on the first delta after the whole prompt was computed (or on the finished one).
+    `metrics` (first choice) rides along until its first token has been sent, and on the finished
+    delta; `last_token_time_s` (first choice) on every delta, for inter-token latency.
+    """
+
+    request_id: str
+    outputs: list[CompletionOutput]  # every choice; text, token_ids, logprobs: new this step
+    finished: bool
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # once, when complete
+    metrics: RequestMetrics | None = None
+    last_token_time_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -128,8 +149,9 @@ class OutputState:
         self.last_token_time_s: float | None = None
         self.finished_time_s: float | None = None
         self._stepped_chars = 0  # text returned by append/finish so far
-        self._sent_chars = 0  # text / tokens / logprobs returned by to_output(delta=True) so far
+        self._sent_chars = 0  # text / tokens / logprobs returned by delta calls so far
         self._sent_tokens = 0
+        self._sent_prompt_logprobs = False  # take_prompt_logprobs returned them
 
     @property
     def finished(self) -> bool:
@@ -185,6 +207,33 @@ class OutputState:
 
         Unfinished text excludes a tail that might begin a stop string or an incomplete character.
         """
+        req = self.request
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs,
+            outputs=[self.take_completion() if delta else self._completion(False)],
+            finished=self.finished,
+            metrics=self.metrics(),
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def take_completion(self) -> CompletionOutput:
+        """This choice's text, tokens and logprobs that no earlier delta call returned."""
+        return self._completion(True)
+
+    def take_prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """The prompt's logprobs, once: when every prompt position has one (or the request
+        finished first); None before that, after that, and when none were asked for."""
+        if self.prompt_logprobs is None or self._sent_prompt_logprobs:
+            return None
+        if len(self.prompt_logprobs) < self.request.num_prompt_tokens and not self.finished:
+            return None  # a chunked prefill is still filling them in
+        self._sent_prompt_logprobs = True
+        return list(self.prompt_logprobs)
+
+    def _completion(self, delta: bool) -> CompletionOutput:
         text = self.stable_text
         tokens, logprobs = self.token_ids, self.logprobs
         if delta:
@@ -193,7 +242,7 @@ class OutputState:
             logprobs = None if logprobs is None else logprobs[self._sent_tokens :]
             self._sent_chars += len(text)
             self._sent_tokens += len(tokens)
-        completion = CompletionOutput(
+        return CompletionOutput(
             index=self.index,
             text=text,
             token_ids=list(tokens),
@@ -201,17 +250,6 @@ class OutputState:
             logprobs=None if logprobs is None else list(logprobs),
             finish_reason=None if self.finish_reason is None else self.finish_reason.finish_reason,
             stop_reason=self.stop_reason,
-        )
-        req = self.request
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            prompt_logprobs=self.prompt_logprobs,
-            outputs=[completion],
-            finished=self.finished,
-            metrics=self.metrics(),
-            num_cached_tokens=req.num_cached_tokens,
         )
 
     def metrics(self) -> RequestMetrics:

@@ -1,4 +1,4 @@
-"""The engine process: build the EngineCore from an EngineConfig, then apply commands, step and send outputs.
+"""The engine process: build the EngineCore from an EngineConfig, then run the EngineLoop over the pipe.
 
 Fault injection (tests only, off by default): the API process reads `TIDAL_ENGINE_FAULT` and hands
 each engine process the action meant for its incarnation (0 is the first engine, 1 the first
@@ -17,32 +17,20 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import sys
 import threading
 import time
 from multiprocessing.connection import Connection
 
 from tidal.config.engine import EngineConfig
-from tidal.engine.messages import (
-    AbortRequest,
-    AddRequest,
-    EngineFailed,
-    EngineReady,
-    Heartbeat,
-    RequestFailure,
-    Shutdown,
-    StepOutputs,
-)
+from tidal.engine.loop import EngineLoop
+from tidal.engine.messages import EngineFailed, EngineReady, Heartbeat
 
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "TIDAL_ENGINE_FAULT"
 FAULT_EXIT_CODE = 70
 HEARTBEAT_INTERVAL_S = 0.5
-# When requests exist but a step scheduled nothing (and the scheduler named no hold time), wait
-# this long for a command before stepping again, so a stalled batch never spins a core.
-_IDLE_POLL_S = 0.002
 _FAULT_ACTIONS = ("hang_when_waiting", "exit_when_ready", "exit_on_start")
 
 
@@ -128,7 +116,7 @@ def run_engine_process(
     if fault == "exit_when_ready":
         os._exit(FAULT_EXIT_CODE)
     hang_waiting = int(fault.split("=")[1]) if fault and fault.startswith("hang_") else None
-    _EngineLoop(core, conn, hang_waiting).run()
+    _PipeEngine(core, conn, hang_waiting).run()
 
 
 def setup_logging(log_level: int) -> None:
@@ -168,17 +156,15 @@ def _warm_up(core) -> None:  # core: EngineCore
     core.step()  # publish idle stats
 
 
-class _EngineLoop:
-    """Commands in (a reader thread), steps, one StepOutputs per step out, a heartbeat thread."""
+class _PipeEngine:
+    """The EngineLoop on the pipe: a reader thread puts commands in, each StepOutputs is sent
+    back, and a heartbeat thread beats ~every 0.5 s."""
 
     def __init__(self, core, conn: Connection, hang_when_waiting: int | None) -> None:
         self.core = core  # tidal.engine.core.EngineCore
         self.conn = conn
-        self.hang_when_waiting = hang_when_waiting
-        self.num_steps = 0
         self._send_lock = threading.Lock()  # the heartbeat thread and the loop share the pipe
-        self._commands: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._in_engine: set[str] = set()  # ids added and not yet finished
+        self.loop = EngineLoop(core, self.send, hang_when_waiting=hang_when_waiting)
 
     def send(self, msg: object) -> None:
         with self._send_lock:
@@ -187,41 +173,7 @@ class _EngineLoop:
     def run(self) -> None:
         threading.Thread(target=self._receive, name="tidal-engine-recv", daemon=True).start()
         threading.Thread(target=self._beat, name="tidal-engine-beat", daemon=True).start()
-        core = self.core
-        while True:
-            cmds = self._next_commands()
-            failures, stop = self._apply(cmds)
-            if stop:
-                return
-            if failures:
-                self.send(StepOutputs(failures=failures, num_steps=self.num_steps))
-            if not core.has_unfinished():
-                if cmds:  # e.g. the last request was aborted: publish idle stats (KV freed)
-                    core.step()
-                    self.send(StepOutputs(stats=core.last_stats, num_steps=self.num_steps))
-                continue
-            self._maybe_hang()
-            try:
-                outputs = core.step()
-            except Exception as e:
-                self._fail_all(e)
-                continue
-            self.num_steps += 1
-            for out in outputs:
-                if out.finished:
-                    self._in_engine.discard(out.request_id)
-            if outputs or core.last_stats.num_scheduled_tokens:
-                self.send(StepOutputs(outputs, [], core.last_stats, self.num_steps))
-            if outputs and not core.has_unfinished():
-                core.step()  # publish idle stats (0 running, KV freed) now
-                self.send(StepOutputs(stats=core.last_stats, num_steps=self.num_steps))
-
-    def _maybe_hang(self) -> None:
-        stats = self.core.last_stats
-        n = self.hang_when_waiting
-        if n is not None and stats is not None and stats.num_waiting >= n and stats.num_running:
-            log.warning("fault injection: the step loop hangs now (%d waiting)", stats.num_waiting)
-            threading.Event().wait()
+        self.loop.run()
 
     def _receive(self) -> None:
         while True:
@@ -230,82 +182,12 @@ class _EngineLoop:
             except (EOFError, OSError):
                 # The API process is gone: nobody can read our outputs, so stop at once.
                 os._exit(0)
-            self._commands.put(msg)
+            self.loop.put(msg)
 
     def _beat(self) -> None:
         stopped = threading.Event()
         while not stopped.wait(HEARTBEAT_INTERVAL_S):
             try:
-                self.send(Heartbeat(self.num_steps, self.core.num_unfinished))
+                self.send(Heartbeat(self.loop.num_steps, self.core.num_unfinished))
             except OSError:
                 return
-
-    def _next_commands(self) -> list[object]:
-        """Commands to apply before the next step; blocks while there is nothing to do."""
-        core = self.core
-        cmds: list[object] = []
-        if not core.has_unfinished():
-            cmds.append(self._commands.get())  # idle: sleep until a command arrives
-        else:
-            stats = core.last_stats
-            if stats is not None and stats.num_scheduled_tokens == 0:
-                hold = core.scheduler.stats.hold_until_s
-                wait_s = _IDLE_POLL_S if hold is None else max(0.0, hold - core.clock())
-                try:
-                    cmds.append(self._commands.get(timeout=wait_s))
-                except queue.Empty:
-                    pass
-        while True:
-            try:
-                cmds.append(self._commands.get_nowait())
-            except queue.Empty:
-                return cmds
-
-    def _apply(self, cmds: list[object]) -> tuple[list[RequestFailure], bool]:
-        """Apply commands in order: the refused requests, and True on Shutdown."""
-        failures: list[RequestFailure] = []
-        for cmd in cmds:
-            if isinstance(cmd, Shutdown):
-                return failures, True
-            if isinstance(cmd, AbortRequest):
-                self.core.abort(cmd.request_id)
-                self._in_engine.discard(cmd.request_id)
-                continue
-            if not isinstance(cmd, AddRequest):
-                log.error("unknown command %r ignored", type(cmd).__name__)
-                continue
-            try:
-                ok = self.core.add_request(
-                    cmd.request_id,
-                    cmd.prompt_token_ids,
-                    cmd.params,
-                    prompt=cmd.prompt,
-                    priority=cmd.priority,
-                    session_id=cmd.session_id,
-                    timeout_s=cmd.timeout_s,
-                    queue_timeout_s=cmd.queue_timeout_s,
-                    delta=True,
-                )
-            except ValueError as e:
-                failures.append(RequestFailure(cmd.request_id, "invalid", str(e)))
-                continue
-            if ok:
-                self._in_engine.add(cmd.request_id)
-            else:
-                failures.append(
-                    RequestFailure(cmd.request_id, "queue_full", "the waiting queue is full")
-                )
-        return failures, False
-
-    def _fail_all(self, error: Exception) -> None:
-        """A step raised: fail every request in the engine, free their KV, keep serving."""
-        from tidal.request import RequestStatus
-
-        log.exception("engine step failed; failing every request in flight")
-        message = f"the engine failed: {type(error).__name__}: {error}"
-        failures = []
-        for request_id in sorted(self._in_engine):
-            self.core.abort(request_id, RequestStatus.FINISHED_ERROR)
-            failures.append(RequestFailure(request_id, "engine", message))
-        self._in_engine.clear()
-        self.send(StepOutputs(failures=failures, num_steps=self.num_steps))

@@ -7,10 +7,9 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from tidal.quant.gguf_types import BLOCK_SIZES, GGMLType
 
@@ -55,10 +54,16 @@ _SCALAR_STRUCTS: dict[_ValueType, struct.Struct] = {
         _NUMPY_DTYPES, ("B", "b", "H", "h", "I", "i", "f", "?", "Q", "q", "d"), strict=True
     )
 }
-_TORCH_STORAGE: dict[GGMLType, torch.dtype] = {
-    GGMLType.F32: torch.float32,
-    GGMLType.F16: torch.float16,
-    GGMLType.BF16: torch.bfloat16,
+# NOTE: torch is imported only to load a tensor: the API process reads the metadata (the
+# tokenizer, the architecture) through this module and must not pay torch's import and memory.
+if TYPE_CHECKING:
+    import torch
+
+# The float types a GGUF may store a tensor in, by torch dtype name.
+_TORCH_STORAGE: dict[GGMLType, str] = {
+    GGMLType.F32: "float32",
+    GGMLType.F16: "float16",
+    GGMLType.BF16: "bfloat16",
 }
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -287,15 +292,18 @@ class GGUFFile:
         info = self._info(name)
         return self._data[info.offset : info.offset + info.nbytes]
 
-    def load_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The tensor dequantized, in torch shape, as a fresh tensor of `dtype`."""
+    def load_tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor dequantized, in torch shape, as a fresh tensor of `dtype` (float32 if None)."""
+        import torch
+
         # Imported here because gguf_quants imports GGMLType from this module.
         from tidal.quant.gguf_dequant import dequantize
 
+        dtype = torch.float32 if dtype is None else dtype
         info = self._info(name)
         raw = torch.from_numpy(self.raw(name))
         stored = _TORCH_STORAGE.get(info.ggml_type)
-        if stored == dtype:
+        if stored is not None and getattr(torch, stored) == dtype:
             # Already stored in the wanted dtype: skip the float32 round trip.
             return raw.view(dtype).reshape(info.shape).clone()
         return dequantize(raw, info.ggml_type, info.shape).to(dtype)

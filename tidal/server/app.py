@@ -13,7 +13,6 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tidal.client.engine_client import EngineClient
 from tidal.sampling_params import SamplingParams
 from tidal.server.errors import APIError, bad_request, internal_error, not_found, not_ready
 from tidal.server.generation import ClientGone
@@ -71,7 +70,7 @@ def warmup_status(state: ServerState) -> dict[str, object]:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """The app for one served model; the engine thread starts and stops with the app's lifespan."""
+    """The app for one served model; the engine starts and stops with the app's lifespan."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -97,8 +96,7 @@ def build_app(state: ServerState) -> FastAPI:
     serve_openapi(app)
     app.state.tidal = state
     engine = state.engine
-    if isinstance(engine, EngineClient):
-        state.metrics.watch_engine(lambda: engine.engine_pid)
+    state.metrics.watch_engine(lambda: engine.engine_pid)  # None (0 bytes) for the in-thread one
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -213,11 +211,9 @@ async def _cut_drain(state: ServerState) -> None:
     # The margin lets the error events go out before uvicorn's own timeout (the same length,
     # started by the same signal) cancels the responses mid-stream.
     await asyncio.sleep(max(0.0, drain_s - min(1.0, drain_s / 4)))
-    interrupt = getattr(state.engine, "interrupt_all", None)  # the supervised engine only
-    if callable(interrupt):
-        num = interrupt("the server is shutting down")
-        if num:
-            log.warning("drain timeout: ended %d requests still running", num)
+    num = state.engine.interrupt_all("the server is shutting down")
+    if num:
+        log.warning("drain timeout: ended %d requests still running", num)
 
 
 async def _warm(

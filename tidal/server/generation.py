@@ -1,4 +1,4 @@
-"""Running one API request's prompts on the AsyncEngine: merged output streams, errors, deadlines, disconnects."""
+"""Running one API request's prompts on the engine client: one output queue, errors, deadlines, disconnects."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import TypeVar
 from starlette.requests import Request
 
 from tidal.client.engine_client import EngineInterrupted
-from tidal.engine.async_engine import EngineError, QueueFullError
-from tidal.engine.output import CompletionOutput, Logprob, RequestOutput
+from tidal.engine.errors import EngineError, QueueFullError
+from tidal.engine.output import CompletionOutput, Logprob, RequestDelta
 from tidal.sampling_params import SamplingParams
 from tidal.server.errors import (
     APIError,
@@ -79,50 +79,20 @@ class GenerationJob:
     def n(self) -> int:
         return self.params.n
 
-    async def _pump(self, i: int, inp: PromptInput, out_q: asyncio.Queue) -> None:
+    def _error(self, e: BaseException) -> tuple[APIError, str | None]:
+        """The API error for an engine request's failure, and its finished reason (None: not
+        counted as finished, the request was refused)."""
         state = self.state
-        tracker = state.metrics.track()
-        reason: str | None = "abort"  # unless the engine says otherwise
-        started_s = asyncio.get_running_loop().time()
-        try:
-            gen = state.engine.generate(
-                inp.token_ids,
-                self.params,
-                f"{self.request_id}-{i}",
-                prompt=inp.text,
-                priority=self.priority,
-                session_id=self.session_id,
-                timeout_s=self.timeout_s,
-                queue_timeout_s=self.queue_timeout_s,
-            )
-            async with contextlib.aclosing(gen):
-                async for out in gen:
-                    tracker.update(out)
-                    if out.finished:
-                        reason = out.outputs[0].finish_reason or "stop"
-                    if self._queue_expired(out, started_s):
-                        reason = "deadline"
-                        out_q.put_nowait(
-                            (i, queue_timeout(self.queue_timeout_s or 0.0, retry_after_s(state)))
-                        )
-                        return
-                    out_q.put_nowait((i, out))
-            out_q.put_nowait((i, None))
-        except QueueFullError:
-            reason = None
+        if isinstance(e, QueueFullError):
             max_queue = state.config.engine.scheduler.max_queue
-            out_q.put_nowait((i, queue_full(max_queue, retry_after_s(state, max_queue))))
-        except ValueError as e:
-            reason = None
-            out_q.put_nowait((i, bad_request(str(e), "prompt", "invalid_value")))
-        except EngineError as e:
-            reason = "error"
-            out_q.put_nowait((i, self._engine_error(e)))
-        finally:
-            if reason is not None:
-                tracker.finish(reason)
+            return queue_full(max_queue, retry_after_s(state, max_queue)), None
+        if isinstance(e, ValueError):
+            return bad_request(str(e), "prompt", "invalid_value"), None
+        if isinstance(e, EngineError):
+            return self._engine_error(e), "error"
+        raise e
 
-    def _queue_expired(self, out: RequestOutput, started_s: float) -> bool:
+    def _queue_expired(self, out: RequestDelta, started_s: float) -> bool:
         """A choice ended "deadline" before the whole-request timeout_s could have passed: its
         queue deadline did (the engine's clock starts after ours, so it runs no further)."""
         if self.queue_timeout_s is None:
@@ -142,26 +112,50 @@ class GenerationJob:
             return engine_restarted(min(e.retry_after_s, MAX_RETRY_AFTER_S), self.request_id)
         return internal_error(self.request_id)
 
-    async def outputs(self, interval_s: float = 0.0) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def outputs(self, interval_s: float = 0.0) -> AsyncIterator[tuple[int, RequestDelta]]:
         """(prompt index, delta output) from every prompt, as they come; raises APIError.
 
+        Every prompt's engine request feeds one queue, read here: the engine client's output
+        handler puts each delta on it, tagged with the prompt index.
         With interval_s > 0 (server.stream_interval_ms) a prompt's deltas are merged and
         yielded at most once per interval_s: the first output and a finished one go out at once.
         Closing it (or cancelling the task iterating it) aborts every engine request still running.
         """
-        if self.state.draining:
+        state = self.state
+        if state.draining:
             raise not_ready("The server is shutting down")
-        check_deadline(self.timeout_s, self.state)
+        check_deadline(self.timeout_s, state)
+        engine = state.engine
         out_q: asyncio.Queue = asyncio.Queue()
-        tasks = [
-            asyncio.create_task(self._pump(i, inp, out_q)) for i, inp in enumerate(self.inputs)
-        ]
-        remaining = len(tasks)
+        ids = [f"{self.request_id}-{i}" for i in range(len(self.inputs))]
+        trackers = [state.metrics.track() for _ in self.inputs]
+        running: set[int] = set()  # prompts submitted and not yet finished or failed
         loop = asyncio.get_running_loop()
-        held: dict[int, RequestOutput] = {}  # merged deltas not yet sent, by prompt index
+        started_s = loop.time()
+        held: dict[int, RequestDelta] = {}  # merged deltas not yet sent, by prompt index
         sent_s = -math.inf
         try:
-            while remaining:
+            for i, inp in enumerate(self.inputs):
+                try:
+                    engine.submit(
+                        inp.token_ids,
+                        self.params,
+                        ids[i],
+                        out_q,
+                        tag=i,
+                        prompt=inp.text,
+                        priority=self.priority,
+                        session_id=self.session_id,
+                        timeout_s=self.timeout_s,
+                        queue_timeout_s=self.queue_timeout_s,
+                    )
+                except (ValueError, EngineError) as e:
+                    err, reason = self._error(e)
+                    if reason is not None:
+                        trackers[i].finish(reason)
+                    raise err from None
+                running.add(i)
+            while running:
                 if held:
                     try:
                         wait_s = max(0.0, sent_s + interval_s - loop.time())
@@ -173,28 +167,33 @@ class GenerationJob:
                         continue
                 else:
                     i, item = await out_q.get()
-                if item is None:
-                    remaining -= 1
-                    if i in held:
-                        yield i, held.pop(i)
-                elif isinstance(item, APIError):
-                    raise item
+                if isinstance(item, BaseException):
+                    running.discard(i)
+                    err, reason = self._error(item)
+                    if reason is not None:
+                        trackers[i].finish(reason)
+                    raise err
+                trackers[i].update(item)
+                if item.finished:
+                    running.discard(i)
+                    trackers[i].finish(item.outputs[0].finish_reason or "stop")
+                    if self._queue_expired(item, started_s):
+                        raise queue_timeout(self.queue_timeout_s or 0.0, retry_after_s(state))
+                if i in held:
+                    item = merge_deltas(held.pop(i), item)
+                due = loop.time() >= sent_s + interval_s
+                if due or item.finished or item.prompt_logprobs is not None:
+                    yield i, item
+                    sent_s = loop.time()
                 else:
-                    if i in held:
-                        item = merge_deltas(held.pop(i), item)
-                    due = loop.time() >= sent_s + interval_s
-                    if due or item.finished or item.prompt_logprobs is not None:
-                        yield i, item
-                        sent_s = loop.time()
-                    else:
-                        held[i] = item
+                    held[i] = item
         finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            for i in running:
+                engine.cancel(ids[i])
+                trackers[i].finish("abort")
 
 
-def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+def merge_deltas(a: RequestDelta, b: RequestDelta) -> RequestDelta:
     """One delta output holding a's new tokens then b's (b is the later one)."""
     by_index = {c.index: c for c in a.outputs}
     merged: list[CompletionOutput] = []
@@ -219,13 +218,14 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     merged.extend(by_index.values())  # choices b did not touch (n > 1)
     merged.sort(key=lambda c: c.index)
     prompt_logprobs = b.prompt_logprobs if b.prompt_logprobs is not None else a.prompt_logprobs
-    return replace(b, outputs=merged, prompt_logprobs=prompt_logprobs)
+    metrics = b.metrics if b.metrics is not None else a.metrics
+    return replace(b, outputs=merged, prompt_logprobs=prompt_logprobs, metrics=metrics)
 
 
 async def open_stream(
-    outs: AsyncIterator[tuple[int, RequestOutput]],
+    outs: AsyncIterator[tuple[int, RequestDelta]],
     keepalive_s: float,
-    body: Callable[[tuple[int, RequestOutput]], AsyncIterator[bytes]],
+    body: Callable[[tuple[int, RequestDelta]], AsyncIterator[bytes]],
 ) -> AsyncIterator[bytes]:
     """The bytes of a streamed response, once it is known to start.
 
@@ -247,9 +247,9 @@ async def open_stream(
 
 async def _keepalive_then(
     first: asyncio.Future,
-    outs: AsyncIterator[tuple[int, RequestOutput]],
+    outs: AsyncIterator[tuple[int, RequestDelta]],
     keepalive_s: float,
-    body: Callable[[tuple[int, RequestOutput]], AsyncIterator[bytes]],
+    body: Callable[[tuple[int, RequestDelta]], AsyncIterator[bytes]],
 ) -> AsyncIterator[bytes]:
     try:
         while not first.done():
@@ -294,8 +294,8 @@ class UsageCounter:
     cached_tokens: dict[int, int] = field(default_factory=dict)
     completion_tokens: int = 0
 
-    def add(self, i: int, out: RequestOutput) -> None:
-        self.prompt_tokens[i] = len(out.prompt_token_ids)
+    def add(self, i: int, out: RequestDelta) -> None:
+        self.prompt_tokens[i] = out.num_prompt_tokens
         self.cached_tokens[i] = out.num_cached_tokens
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
 
@@ -309,14 +309,16 @@ class UsageCounter:
 
 async def collect(
     job: GenerationJob,
-) -> tuple[dict[int, ChoiceState], dict[int, RequestOutput], UsageCounter]:
-    """Run a job to the end: choices by index, each prompt's last output, and usage."""
+) -> tuple[dict[int, ChoiceState], dict[int, list[dict[int, Logprob] | None]], UsageCounter]:
+    """Run a job to the end: choices by index, each prompt's prompt logprobs (when asked for),
+    and usage."""
     choices: dict[int, ChoiceState] = {}
-    last: dict[int, RequestOutput] = {}
+    prompt_logprobs: dict[int, list[dict[int, Logprob] | None]] = {}
     usage = UsageCounter()
     async with contextlib.aclosing(job.outputs()) as outs:
         async for i, out in outs:
-            last[i] = out
+            if out.prompt_logprobs is not None:  # they come once per prompt
+                prompt_logprobs[i] = out.prompt_logprobs
             usage.add(i, out)
             for c in out.outputs:
                 ch = choices.setdefault(i * job.n + c.index, ChoiceState())
@@ -329,7 +331,7 @@ async def collect(
                     err = finish_error(c.finish_reason, job.timeout_s, job.state, job.request_id)
                     if err is not None:
                         raise err
-    return choices, last, usage
+    return choices, prompt_logprobs, usage
 
 
 async def _wait_disconnect(request: Request) -> None:

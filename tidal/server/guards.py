@@ -93,9 +93,7 @@ def clamp_retry_after_s(wait_s: float | None) -> float:
 
 
 def _completions_per_s(state: ServerState) -> float | None:
-    # The supervised engine client measures it; the in-thread engine does not (None: unknown).
-    rate = getattr(state.engine, "completions_per_s", None)
-    return rate() if callable(rate) else None
+    return state.engine.completions_per_s()
 
 
 def _num_waiting(state: ServerState) -> int:

@@ -15,7 +15,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tidal.engine.output import RequestOutput
+from tidal.engine.output import RequestDelta
 from tidal.engine.stats import StepStats
 from tidal.scheduler.cost_model import TERMS
 
@@ -112,13 +112,16 @@ class ServerMetrics:
             return 0.0
 
     def _memory_fraction(self) -> float:
-        try:
-            import torch
+        # NOTE: torch only on a CUDA engine (in this process): the API process of a supervised
+        # CPU server never imports it, not even to be scraped.
+        if self._device_memory_bytes:
+            try:
+                import torch
 
-            if self._device_memory_bytes and torch.cuda.is_available():
-                return torch.cuda.memory_reserved() / self._device_memory_bytes
-        except Exception:  # a failing probe must not break /metrics
-            pass
+                if torch.cuda.is_available():
+                    return torch.cuda.memory_reserved() / self._device_memory_bytes
+            except Exception:  # a failing probe must not break /metrics
+                pass
         vm = psutil.virtual_memory()
         return (vm.total - vm.available) / vm.total
 
@@ -180,28 +183,27 @@ class RequestTracker:
         self._seen_first = False
         self._counted_prompt = False
 
-    def update(self, out: RequestOutput) -> None:
+    def update(self, out: RequestDelta) -> None:
         m = self.m
         num_new = sum(len(c.token_ids) for c in out.outputs)
         if num_new:
             m.generation_tokens.inc(num_new)
-        t = out.metrics
-        if t is None:
-            return
         if not self._counted_prompt:
             self._counted_prompt = True
-            m.prompt_tokens.inc(t.num_prompt_tokens)
-        if not self._seen_first and t.first_token_time_s is not None:
+            m.prompt_tokens.inc(out.num_prompt_tokens)
+        # A delta carries metrics until its first token and when finished (RequestDelta).
+        t = out.metrics
+        if not self._seen_first and t is not None and t.first_token_time_s is not None:
             self._seen_first = True
             m.ttft.observe(max(0.0, t.first_token_time_s - t.arrival_time_s))
             if t.first_scheduled_time_s is not None:
                 m.queue_time.observe(max(0.0, t.first_scheduled_time_s - t.arrival_time_s))
-        elif num_new and t.last_token_time_s is not None and self._last_token_time_s is not None:
+        elif num_new and out.last_token_time_s is not None and self._last_token_time_s is not None:
             # One step usually brings one token per choice: the gap is one inter-token latency.
-            m.itl.observe(max(0.0, t.last_token_time_s - self._last_token_time_s))
-        if t.last_token_time_s is not None:
-            self._last_token_time_s = t.last_token_time_s
-        if out.finished and t.finished_time_s is not None:
+            m.itl.observe(max(0.0, out.last_token_time_s - self._last_token_time_s))
+        if out.last_token_time_s is not None:
+            self._last_token_time_s = out.last_token_time_s
+        if out.finished and t is not None and t.finished_time_s is not None:
             m.e2e.observe(max(0.0, t.finished_time_s - t.arrival_time_s))
             if t.first_token_time_s is not None:
                 ttft_s = t.first_token_time_s - t.arrival_time_s

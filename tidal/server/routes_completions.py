@@ -75,7 +75,7 @@ async def create_completion(request: Request) -> Response:
             lambda first: _stream(job, first, outs, echo, num_top, req.include_usage),
         )
         return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
-    choices, last, usage = await until_disconnect(request, collect(job))
+    choices, prompt_logprobs, usage = await until_disconnect(request, collect(job))
     out_choices = []
     for idx in sorted(choices):
         ch = choices[idx]
@@ -89,7 +89,7 @@ async def create_completion(request: Request) -> Response:
             lp = CompletionLogProbs()
             if echo:
                 completion_logprobs(
-                    inp.token_ids, last[idx // job.n].prompt_logprobs or [], num_top, tok, 0, lp
+                    inp.token_ids, prompt_logprobs.get(idx // job.n) or [], num_top, tok, 0, lp
                 )
             offset = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
             completion_logprobs(ch.token_ids, ch.logprobs, num_top, tok, offset, lp)

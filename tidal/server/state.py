@@ -1,4 +1,4 @@
-"""ServerState: what every route reads: the async engine, the effective config, metrics and readiness."""
+"""ServerState: what every route reads: the engine client, the effective config, metrics and readiness."""
 
 from __future__ import annotations
 
@@ -6,14 +6,13 @@ from dataclasses import dataclass
 
 from tidal.client.engine_client import EngineClient
 from tidal.config.engine import TidalConfig
-from tidal.engine.async_engine import AsyncEngine
 from tidal.server.inputs import PromptLimits
 from tidal.server.metrics import ServerMetrics
 
 
 @dataclass(slots=True)
 class ServerState:
-    engine: AsyncEngine | EngineClient
+    engine: EngineClient  # in-thread or supervised: the server never asks which
     config: TidalConfig
     metrics: ServerMetrics
     served_name: str  # the model id clients must send (or omit)
@@ -26,5 +25,4 @@ class ServerState:
 
     @property
     def tokenizer(self):  # tidal.loader.tokenizer.Tokenizer
-        engine = self.engine
-        return engine.tokenizer if isinstance(engine, EngineClient) else engine.core.tokenizer
+        return self.engine.tokenizer

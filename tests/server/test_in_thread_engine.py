@@ -1,4 +1,4 @@
-"""AsyncEngine on a real tiny EngineCore: streamed deltas, queue-full, aborts, and engine failures that never hang."""
+"""InThreadEngineClient on a real tiny EngineCore: streamed deltas, queue-full, aborts, and engine failures that never hang."""
 
 from __future__ import annotations
 
@@ -7,27 +7,30 @@ from pathlib import Path
 
 import pytest
 
+from tidal.client.in_thread import InThreadEngineClient
 from tidal.config.cache import CacheConfig
 from tidal.config.engine import EngineConfig
 from tidal.config.model import ModelConfig
 from tidal.config.scheduler import SchedulerConfig
-from tidal.engine.async_engine import AsyncEngine, EngineError, QueueFullError
 from tidal.engine.builder import build_engine
+from tidal.engine.errors import EngineError, QueueFullError
 from tidal.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
-def _engine(path: Path, **sched) -> AsyncEngine:
+def _engine(path: Path, **sched) -> InThreadEngineClient:
     config = EngineConfig(
         model=ModelConfig(path=str(path)),
         cache=CacheConfig(kv_cache_bytes=2 << 20),
         scheduler=SchedulerConfig(**sched),
     )
-    return AsyncEngine(build_engine(config))
+    return InThreadEngineClient(build_engine(config))
 
 
-async def _collect(engine: AsyncEngine, ids: list[int], rid: str, params=GREEDY) -> list[int]:
+async def _collect(
+    engine: InThreadEngineClient, ids: list[int], rid: str, params=GREEDY
+) -> list[int]:
     tokens: list[int] = []
     async for out in engine.generate(ids, params, rid):
         tokens += out.outputs[0].token_ids
