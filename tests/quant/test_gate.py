@@ -39,7 +39,7 @@ def test_heldout_text_is_long_and_headerless() -> None:
 def test_scores_equal_log_softmax_by_hand(tiny_dir: Path) -> None:
     loaded = load_model(tiny_dir)
     ids = load_tokenizer(tiny_dir).encode(heldout_text())[:100]
-    scores = score_tokens(loaded.model, loaded.arch, ids, context_tokens=40, piece_tokens=16)
+    scores = score_tokens(loaded, ids, context_tokens=40, piece_tokens=16)
     assert scores.nll.numel() == 39 + 39 + 19  # chunks of 40, 40 and 20 tokens
     by_hand = []
     for start in (0, 40, 80):
