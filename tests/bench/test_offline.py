@@ -50,17 +50,18 @@ def _tidal_tokens(llm: LLM, work, **params) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _batcher(llm: LLM, batch_size: int, **kwargs) -> StaticBatcher:
-    loaded = llm.engine.loaded
-    return StaticBatcher(loaded.model, loaded.arch, batch_size, block_size=8, **kwargs)
+def _batcher(tiny_dir, batch_size: int, **kwargs) -> StaticBatcher:
+    # The same engine settings as the `llm` fixture, so only the schedule differs.
+    kwargs = {"kv_cache_bytes": 8 << 20, "block_size": 8, "threads": 1, **kwargs}
+    return StaticBatcher(str(tiny_dir), batch_size, **kwargs)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3, 8])
-def test_static_greedy_equals_tidal(llm, batch_size):
+def test_static_greedy_equals_tidal(llm, tiny_dir, batch_size):
     work = make_workload(10, 0, VOCAB, **WORKLOAD)
     assert len({len(w.prompt_token_ids) for w in work}) > 3  # really padded
     expected = _tidal_tokens(llm, work, ignore_eos=True)
-    results = _batcher(llm, batch_size).generate(
+    results = _batcher(tiny_dir, batch_size).generate(
         [w.prompt_token_ids for w in work], [w.max_tokens for w in work], ignore_eos=True
     )
     assert [r.token_ids for r in results] == expected
@@ -68,22 +69,22 @@ def test_static_greedy_equals_tidal(llm, batch_size):
     assert [r.prompt_token_ids for r in results] == [w.prompt_token_ids for w in work]
 
 
-def test_static_stops_on_eos_like_tidal_stop_ids(llm):
+def test_static_stops_on_eos_like_tidal_stop_ids(llm, tiny_dir):
     work = make_workload(6, 1, VOCAB, **{**WORKLOAD, "min_tokens": 12})
     free = _tidal_tokens(llm, work, ignore_eos=True)
     stop_id = free[0][3]  # a token the first request emits, so at least one row stops early
     expected = _tidal_tokens(llm, work, ignore_eos=True, stop_token_ids=[stop_id])
     assert len(expected[0]) == free[0].index(stop_id) + 1
-    results = _batcher(llm, 4, eos_token_ids={stop_id}).generate(
+    results = _batcher(tiny_dir, 4, eos_token_ids={stop_id}).generate(
         [w.prompt_token_ids for w in work], [w.max_tokens for w in work]
     )
     assert [r.token_ids for r in results] == expected
 
 
-def test_static_admits_nothing_until_the_batch_ends(llm):
+def test_static_admits_nothing_until_the_batch_ends(tiny_dir):
     ticks = itertools.count()  # a clock that advances one unit per reading
     work = make_workload(7, 2, VOCAB, **WORKLOAD)
-    results = _batcher(llm, 3, clock=lambda: float(next(ticks))).generate(
+    results = _batcher(tiny_dir, 3, clock=lambda: float(next(ticks))).generate(
         [w.prompt_token_ids for w in work], [w.max_tokens for w in work], ignore_eos=True
     )
     batches = [results[0:3], results[3:6], results[6:7]]
@@ -101,14 +102,37 @@ def test_static_admits_nothing_until_the_batch_ends(llm):
         assert after[0].first_token_time_s > before[0].batch_end_time_s
 
 
-def test_static_rejects_bad_input(llm):
+def test_static_rejects_bad_input(tiny_dir):
     with pytest.raises(ValueError, match="batch_size=0"):
-        _batcher(llm, 0)
-    batcher = _batcher(llm, 2)
+        _batcher(tiny_dir, 0)
+    # The settings that make the schedule static are the batcher's: refused, never overridden.
+    with pytest.raises(ValueError, match="got enable_prefix_caching, max_num_seqs: the static"):
+        _batcher(tiny_dir, 2, enable_prefix_caching=True, max_num_seqs=8)
+    batcher = _batcher(tiny_dir, 2, max_num_batched_tokens=256)
     with pytest.raises(ValueError, match="max_tokens"):
         batcher.generate([[1, 5]], [0])
     with pytest.raises(ValueError, match="context length 256"):
         batcher.generate([[1] * 200], [100])
+    # One step prefills the whole batch: two prompts of 200 do not fit a 256-token step.
+    with pytest.raises(ValueError, match="400 tokens: expected at most max_num_batched_tokens"):
+        batcher.generate([[1] * 200, [2] * 200], [1, 1])
+
+
+def test_static_refuses_a_batch_it_cannot_run_in_lockstep(tiny_dir):
+    # KV for about one sequence of 40 tokens: the engine cannot hold the batch at once, so it
+    # would not be a static batch; the times would be wrong, so the batcher says so.
+    batcher = _batcher(tiny_dir, 4, kv_cache_bytes=_kv_bytes_for_tokens(tiny_dir, 48))
+    work = make_workload(4, 5, VOCAB, **{**WORKLOAD, "min_prompt_len": 30, "min_tokens": 8})
+    with pytest.raises(RuntimeError, match="did not run the batch of 4 in lockstep"):
+        batcher.generate(
+            [w.prompt_token_ids for w in work], [w.max_tokens for w in work], ignore_eos=True
+        )
+
+
+def _kv_bytes_for_tokens(tiny_dir, num_tokens: int) -> int:
+    """A KV budget of the null block plus one sequence of num_tokens in every KV group."""
+    layout = LLM(str(tiny_dir), kv_cache_bytes=1 << 20, block_size=8).engine.layout
+    return layout.page_bytes * (1 + len(layout.groups) * -(-num_tokens // 8))
 
 
 def test_workload_is_seeded_and_in_range():

@@ -189,7 +189,8 @@ def test_prompt_logprobs_shapes_and_values() -> None:
     logits = torch.randn(600, V)  # more than one internal chunk
     targets = torch.randint(0, V, (600,))
     got = prompt_logprobs(logits, targets, 2)
-    raw = torch.log_softmax(logits, dim=-1)
+    raw = torch.log_softmax(logits.double(), dim=-1)  # float64, as the gate's scores need
+    assert got.target_logprobs.dtype == got.top_logprobs.dtype == torch.float64
     assert got.target_logprobs.shape == (600,) and got.top_ids.shape == (600, 2)
     torch.testing.assert_close(got.target_logprobs, raw.gather(1, targets[:, None]).squeeze(1))
     torch.testing.assert_close(got.top_logprobs, raw.topk(2).values)

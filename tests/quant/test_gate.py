@@ -10,6 +10,7 @@ import torch
 
 from tests.engine.tiny import make_tiny_model_dir
 from tests.models.paged import PagedBatch
+from tidal import LLM, SamplingParams
 from tidal.loader.model_loader import load_model
 from tidal.loader.tokenizer import load_tokenizer
 from tidal.worker.gate import (
@@ -39,7 +40,7 @@ def test_heldout_text_is_long_and_headerless() -> None:
 def test_scores_equal_log_softmax_by_hand(tiny_dir: Path) -> None:
     loaded = load_model(tiny_dir)
     ids = load_tokenizer(tiny_dir).encode(heldout_text())[:100]
-    scores = score_tokens(loaded.model, loaded.arch, ids, context_tokens=40, piece_tokens=16)
+    scores = score_tokens(loaded, ids, context_tokens=40, piece_tokens=16)
     assert scores.nll.numel() == 39 + 39 + 19  # chunks of 40, 40 and 20 tokens
     by_hand = []
     for start in (0, 40, 80):
@@ -59,6 +60,33 @@ def test_scores_equal_log_softmax_by_hand(tiny_dir: Path) -> None:
         math.exp(sum(scores.nll.tolist()) / 97), rel=1e-12
     )
     assert perplexity(scores.nll) == pytest.approx(math.exp(nll.sum().item() / 97), rel=1e-6)
+
+
+def test_scores_are_the_engines_prompt_logprobs(tiny_dir: Path) -> None:
+    # The gate runs the engine's own runner: its scores are the prompt logprobs a user gets from
+    # the engine for the same text, the top-1 included (up to the summation order of another
+    # prefill split: the engine prefills each chunk in one step, the gate in pieces of 16).
+    loaded = load_model(tiny_dir)
+    ids = load_tokenizer(tiny_dir).encode(heldout_text())[:80]
+    scores = score_tokens(loaded, ids, context_tokens=40, piece_tokens=16)
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(str(tiny_dir), kv_cache_bytes=1 << 22, threads=1, enable_prefix_caching=False)
+        params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+        outs = llm.generate(prompt_token_ids=[ids[:40], ids[40:80]], sampling_params=params)
+    finally:
+        torch.set_num_threads(before)  # LLM(threads=1) set it for the whole process
+    nll, top = [], []
+    for out, chunk in zip(outs, (ids[:40], ids[40:80])):
+        assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+        for pos, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            assert entry is not None
+            nll.append(-entry[chunk[pos]].logprob)
+            top.append(next(t for t, lp in entry.items() if lp.rank == 1))
+    torch.testing.assert_close(
+        scores.nll, torch.tensor(nll, dtype=torch.float64), rtol=0, atol=1e-5
+    )
+    assert scores.argmax.tolist() == top
 
 
 def test_compare_arithmetic() -> None:

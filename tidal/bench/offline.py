@@ -146,15 +146,20 @@ def cpu_flags() -> list[str]:
     return sorted(set(re.findall(r"\b(avx2|avx512\w*|amx\w*)\b", text)))
 
 
-def _build_llm(args: argparse.Namespace, max_num_seqs: int, **extra: Any):
-    from tidal import LLM
-
-    kwargs: dict[str, Any] = {"dtype": args.dtype, "max_num_seqs": max_num_seqs, **extra}
+def _llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings both systems share, so that only the schedule differs."""
+    kwargs: dict[str, Any] = {"dtype": args.dtype}
     if args.threads is not None:
         kwargs["threads"] = args.threads
     if args.kv_cache_bytes is not None:
         kwargs["kv_cache_bytes"] = args.kv_cache_bytes
-    return LLM(args.model, **kwargs)
+    return kwargs
+
+
+def _build_llm(args: argparse.Namespace, max_num_seqs: int, **extra: Any):
+    from tidal import LLM
+
+    return LLM(args.model, **_llm_kwargs(args), max_num_seqs=max_num_seqs, **extra)
 
 
 def _environment(args: argparse.Namespace, llm) -> dict[str, Any]:
@@ -186,12 +191,10 @@ def run_offline(args: argparse.Namespace) -> dict[str, Any]:
         max_tokens=args.max_tokens,
         bos_token_id=tok.bos_token_id,
     )
+    # The baseline is tidal's engine on a static schedule (an engine of its own, loaded with the
+    # same settings): the comparison isolates the scheduling policy.
     batcher = StaticBatcher(
-        loaded.model,
-        loaded.arch,
-        args.batch_size,
-        block_size=llm.config.cache.block_size,
-        pad_token_id=0,  # any id does: padding never reaches a real token's attention
+        args.model, args.batch_size, block_size=llm.config.cache.block_size, **_llm_kwargs(args)
     )
     # Warm-up, excluded from timing: a few short requests through both systems.
     warm = make_workload(

@@ -34,7 +34,7 @@ def _scores(path: str, scheme: str, ids: list[int], context: int):
     loaded = load_model(path, gguf_blocks=scheme in NATIVE_SCHEMES)
     if scheme != "none":
         quantize_model(loaded.model, scheme)
-    scores = score_tokens(loaded.model, loaded.arch, ids, context)
+    scores = score_tokens(loaded, ids, context)
     return scores, weight_bytes(loaded.model)
 
 

@@ -1,17 +1,26 @@
-"""StaticBatcher: a benchmark baseline that runs tidal's model the way a static batcher does."""
+"""StaticBatcher: a benchmark baseline that runs tidal's engine on a static-batching schedule."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-from tidal.attention.metadata import build_metadata
-from tidal.config.arch import ArchConfig
-from tidal.kv.layout import KVLayout
-from tidal.worker.kv_cache import allocate_kv_caches
+# The engine settings that make the schedule static; StaticBatcher sets them and refuses them from
+# its caller, so no setting it accepts is silently overridden.
+_STATIC_SETTINGS = (
+    "max_num_seqs",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "cpu_budget_step_ms",
+    "target_tpot_ms",
+    "target_ttft_ms",
+    "on_step",
+)
+# Default step budget: the whole batch's prompts are prefilled in one step, as a static batcher's
+# one (B, L) forward does. The engine also needs it >= the model's context when chunking is off.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1 << 16
 
 
 @dataclass(slots=True)
@@ -26,54 +35,70 @@ class StaticResult:
 
 
 class StaticBatcher:
-    """BENCHMARK BASELINE, not a serving path: static batching over tidal's own model and weights,
-    so that comparing it with `tidal.LLM` isolates the scheduling policy.
+    """BENCHMARK BASELINE, not a serving path: tidal's own engine, driven through the public
+    `tidal.LLM` API on a static schedule, so that comparing it with `tidal.LLM` isolates the
+    scheduling policy (same model, kernels and KV cache; only the schedule differs).
 
     What a static batcher does, and this one copies on purpose:
-      - take up to `batch_size` requests in arrival order; admit nothing new until the batch ends;
-      - pad every prompt to the batch's longest one and prefill the whole (B, L_max) rectangle in
-        one step, so padded positions cost compute;
-      - decode all B rows together until EVERY row is done; finished rows keep their slot and keep
-        computing a padding token each step.
+      - take up to `batch_size` requests in arrival order and admit nothing new until the batch
+        ends: one `LLM.generate` call per batch;
+      - prefill the whole batch in one step (no chunked prefill, a step budget that holds every
+        prompt of the batch) and decode all rows together;
+      - keep every row running until EVERY row is done: finished rows keep their slot and keep
+        computing a token each step. Each row is asked for the batch's largest max_tokens with
+        EOS ignored, and its output is cut at its own stop afterwards, so its greedy tokens are
+        exactly what tidal returns for it alone;
+      - reuse nothing between batches (no prefix cache).
 
-    Padding is on the right with per-row lengths: row i's real prompt sits at positions 0..n_i-1
-    and its padding after it, so causal attention never lets a real token see padding; the first
-    token is read from position n_i - 1, and decode writes position n_i + t over the padding's K/V.
-    That keeps greedy outputs equal to tidal's while the padded work is still done.
+    What it does not copy: padding the prompts to the longest one. The engine packs the batch's
+    prompts, so the baseline is not charged for a padded (B, L_max) prefill; that favours it.
 
-    Only greedy decoding (argmax) is supported: the baseline measures throughput, not sampling.
+    Only greedy decoding is supported: the baseline measures throughput, not sampling.
     """
 
     def __init__(
         self,
-        model: torch.nn.Module,
-        arch: ArchConfig,
+        model: str | None,
         batch_size: int,
         *,
-        block_size: int = 16,
-        pad_token_id: int = 0,
-        eos_token_ids: Collection[int] = (),
+        eos_token_ids: Collection[int] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        **llm_kwargs: Any,
     ) -> None:
-        if batch_size < 1:
+        """`model` and `llm_kwargs` go to `tidal.LLM` (dtype, threads, kv_cache_bytes,
+        block_size, max_num_batched_tokens, ...). `eos_token_ids` None: the tokenizer's."""
+        from tidal import LLM
+
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} is invalid: expected an integer >= 1")
-        self.model = model
-        self.arch = arch
+        taken = sorted(set(llm_kwargs) & set(_STATIC_SETTINGS))
+        if taken:
+            raise ValueError(
+                f"StaticBatcher got {', '.join(taken)}: the static schedule sets "
+                f"{', '.join(_STATIC_SETTINGS)} itself"
+            )
+        llm_kwargs.setdefault("max_num_batched_tokens", DEFAULT_MAX_NUM_BATCHED_TOKENS)
         self.batch_size = batch_size
-        self.pad_token_id = pad_token_id
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.clock = clock
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        self.layout = KVLayout.from_layer_windows(
-            arch.layer_windows(),
-            block_size=block_size,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            dtype_bytes=self.dtype.itemsize,
+        self._steps: list[tuple[float, int, int]] = []  # (clock, prefill seqs, decode seqs)
+        self.llm = LLM(
+            model,
+            on_step=self._on_step,
+            max_num_seqs=batch_size,
+            enable_prefix_caching=False,
+            enable_chunked_prefill=False,
+            cpu_budget_step_ms=None,  # a fixed budget: the step holds the whole batch's prefill
+            **llm_kwargs,
+        )
+        self.max_num_batched_tokens: int = llm_kwargs["max_num_batched_tokens"]
+        tok = self.llm.get_tokenizer()
+        self.eos_token_ids = frozenset(
+            tok.eos_token_ids if eos_token_ids is None else eos_token_ids
         )
 
-    @torch.inference_mode()
+    def _on_step(self, stats: Any) -> None:
+        self._steps.append((self.clock(), stats.num_prefill_seqs, stats.num_decode_seqs))
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -88,107 +113,68 @@ class StaticBatcher:
             raise ValueError("prompt is empty: expected at least one token")
         if any(m < 1 for m in max_tokens):
             raise ValueError(f"max_tokens={list(max_tokens)!r} is invalid: expected integers >= 1")
-        if not prompts:
-            return []
         batches = [
             range(s, min(s + self.batch_size, len(prompts)))
             for s in range(0, len(prompts), self.batch_size)
         ]
-        longest = max(
-            max(len(prompts[i]) for i in b) + max(max_tokens[i] for i in b) for b in batches
-        )
-        if longest > self.arch.max_position_embeddings:
-            raise ValueError(
-                f"a batch needs {longest} positions: expected at most the context length "
-                f"{self.arch.max_position_embeddings}"
+        for b in batches:
+            # One step prefills the whole batch, or the schedule would not be static.
+            need = sum(len(prompts[i]) for i in b)
+            if need > self.max_num_batched_tokens:
+                raise ValueError(
+                    f"a batch's prompts have {need} tokens: expected at most "
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}); pass a larger one"
+                )
+        results: list[StaticResult] = []
+        for b in batches:
+            results.extend(
+                self._run_batch(
+                    [list(prompts[i]) for i in b], [max_tokens[i] for i in b], ignore_eos
+                )
             )
-        # One pool for the largest batch, reused: every (row, group) owns a contiguous run of ids.
-        bs = self.layout.block_size
-        blocks_per_row = -(-longest // bs)
-        num_groups = len(self.layout.groups)
-        kv = allocate_kv_caches(
-            self.layout, 1 + self.batch_size * num_groups * blocks_per_row, self.dtype, self.device
-        )
-        tables = [
-            [
-                [1 + (r * num_groups + g) * blocks_per_row + b for b in range(blocks_per_row)]
-                for g in range(num_groups)
-            ]
-            for r in range(self.batch_size)
-        ]
-        results: list[StaticResult | None] = [None] * len(prompts)
-        for batch in batches:
-            rows = [list(prompts[i]) for i in batch]
-            for i, res in zip(
-                batch, self._run_batch(rows, [max_tokens[i] for i in batch], tables, kv, ignore_eos)
-            ):
-                results[i] = res
-        return results  # type: ignore[return-value]
+        return results
 
     def _run_batch(
-        self,
-        prompts: list[list[int]],
-        max_tokens: list[int],
-        tables: list[list[list[int]]],
-        kv: list,
-        ignore_eos: bool,
+        self, prompts: list[list[int]], max_tokens: list[int], ignore_eos: bool
     ) -> list[StaticResult]:
-        num_rows = len(prompts)
-        lens = [len(p) for p in prompts]
-        width = max(lens)
-        row_tables = tables[:num_rows]
-        # Prefill: the (B, L_max) rectangle, real tokens then padding in each row.
-        ids = [t for p in prompts for t in p + [self.pad_token_id] * (width - len(p))]
-        hidden = self._forward(ids, [0] * num_rows, width, row_tables, kv)  # (B * L_max, E)
-        # Logits only where a token is sampled, as every serving path does (tidal included).
-        last = torch.tensor([r * width + n - 1 for r, n in enumerate(lens)], device=self.device)
-        first = self.model.compute_logits(hidden[last]).argmax(-1).tolist()
-        now = self.clock()
-        outs = [[t] for t in first]
-        done = [self._stops(outs[r], max_tokens[r], ignore_eos) for r in range(num_rows)]
-        finished = [now if d else 0.0 for d in done]
-        first_time, step = now, 0
-        while not all(done):
-            step += 1
-            # Finished rows still take their slot and compute a padding token at the next position.
-            ids = [self.pad_token_id if done[r] else outs[r][-1] for r in range(num_rows)]
-            starts = [n + step - 1 for n in lens]
-            hidden = self._forward(ids, starts, 1, row_tables, kv)  # (B, E)
-            tokens = self.model.compute_logits(hidden).argmax(-1).tolist()
-            now = self.clock()
-            for r in range(num_rows):
-                if done[r]:
-                    continue
-                outs[r].append(tokens[r])
-                if self._stops(outs[r], max_tokens[r], ignore_eos):
-                    done[r], finished[r] = True, now
+        from tidal import SamplingParams
+
+        num_rows, longest = len(prompts), max(max_tokens)
+        # Every row runs as long as the longest: a finished row keeps its slot and computes.
+        params = SamplingParams(temperature=0.0, max_tokens=longest, ignore_eos=True)
+        self._steps.clear()
+        outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=params)
         end = self.clock()
-        return [
-            StaticResult(prompts[r], outs[r], first_time, finished[r], end) for r in range(num_rows)
-        ]
-
-    def _forward(
-        self,
-        ids: list[int],
-        starts: list[int],
-        width: int,
-        row_tables: list[list[list[int]]],
-        kv: list,
-    ) -> torch.Tensor:
-        """`width` tokens per row at positions starts[r]..; final hidden states (B * width, E)."""
-        num_rows = len(starts)
-        meta = build_metadata(
-            [width] * num_rows,
-            [s + width for s in starts],
-            row_tables,
-            self.layout.block_size,
-            self.device,
+        steps = self._steps[:]
+        for prompt, out in zip(prompts, outs):
+            got = len(out.outputs[0].token_ids)
+            if got < longest:  # EOS is ignored: only the context limit ends a row early
+                raise ValueError(
+                    f"a batch needs {len(prompt) + longest} positions: expected at most the "
+                    f"context length {len(prompt) + got}"
+                )
+        # Static means lockstep: step 0 prefills every row, each later step decodes every row
+        # once. Then a row's k-th token came out of step k - 1; anything else (a preemption for
+        # want of KV blocks, a prefill split over steps) would make the times below wrong.
+        lockstep = (
+            len(steps) == longest
+            and steps[0][1:] == (num_rows, 0)
+            and all(s[1:] == (0, num_rows) for s in steps[1:])
         )
-        pos = torch.tensor(
-            [s + j for s in starts for j in range(width)], dtype=torch.long, device=self.device
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.model(input_ids, pos, meta, kv)
-
-    def _stops(self, out: list[int], max_tokens: int, ignore_eos: bool) -> bool:
-        return len(out) >= max_tokens or (not ignore_eos and out[-1] in self.eos_token_ids)
+        if not lockstep:
+            raise RuntimeError(
+                f"the engine did not run the batch of {num_rows} in lockstep (steps "
+                f"(prefill, decode) seqs: {[s[1:] for s in steps]}): give it more KV cache "
+                "(kv_cache_bytes) or a larger max_num_batched_tokens"
+            )
+        results = []
+        for prompt, limit, out in zip(prompts, max_tokens, outs):
+            tokens = list(out.outputs[0].token_ids)[:limit]
+            if not ignore_eos:
+                stop = next((i for i, t in enumerate(tokens) if t in self.eos_token_ids), None)
+                if stop is not None:
+                    tokens = tokens[: stop + 1]  # the stop token is returned, as tidal does
+            results.append(
+                StaticResult(prompt, tokens, steps[0][0], steps[len(tokens) - 1][0], end)
+            )
+        return results

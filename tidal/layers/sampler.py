@@ -12,8 +12,9 @@ from tidal.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 _MIN_TEMPERATURE = 1e-5
-# Prompt logprobs materialize a (T, V) float32 tensor; chunk T so a long prompt stays bounded.
-_PROMPT_CHUNK_ROWS = 256
+# Prompt logprobs materialize a (T, V) float64 tensor; chunk T so a long prompt stays bounded
+# (64 rows of a 262k vocabulary are 134 MB).
+_PROMPT_CHUNK_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -45,9 +46,9 @@ class SamplerOutput:
 class PromptLogprobs(NamedTuple):
     """Logprobs of given next tokens under (T, V) logits, plus the top-k alternatives per row."""
 
-    target_logprobs: torch.Tensor  # (T,) float32
+    target_logprobs: torch.Tensor  # (T,) float64
     top_ids: torch.Tensor  # (T, k) int64
-    top_logprobs: torch.Tensor  # (T, k) float32
+    top_logprobs: torch.Tensor  # (T, k) float64
     target_ranks: torch.Tensor  # (T,) int64, 1-based
 
 
@@ -59,10 +60,13 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> PromptLogprobs:
-    """Raw log-softmax logprobs of `target_ids` under `logits` (T, V) and the top-k per row."""
+    """Raw log-softmax logprobs of `target_ids` under `logits` (T, V) and the top-k per row.
+
+    In float64: the accuracy gate's perplexity is exp of the mean of thousands of these, and a
+    float32 log-softmax over a large vocabulary moves it in its fourth printed decimal."""
     targets, tops, top_vals, ranks = [], [], [], []
     for start in range(0, logits.shape[0], _PROMPT_CHUNK_ROWS):
-        chunk = torch.log_softmax(logits[start : start + _PROMPT_CHUNK_ROWS].float(), dim=-1)
+        chunk = torch.log_softmax(logits[start : start + _PROMPT_CHUNK_ROWS].double(), dim=-1)
         tgt = target_ids[start : start + _PROMPT_CHUNK_ROWS].to(chunk.device, torch.int64)
         target = chunk.gather(1, tgt[:, None]).squeeze(1)  # (t,)
         values, ids = chunk.topk(k, dim=-1)  # (t, k)
@@ -71,7 +75,7 @@ def prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> P
         top_vals.append(values)
         ranks.append(_rank(chunk, target))
     if not targets:  # T == 0
-        empty = logits.new_empty((0,), dtype=torch.float32)
+        empty = logits.new_empty((0,), dtype=torch.float64)
         ids = torch.empty((0, k), dtype=torch.int64, device=logits.device)
         long0 = torch.empty((0,), dtype=torch.int64, device=logits.device)
         return PromptLogprobs(empty, ids, empty.new_empty((0, k)), long0)

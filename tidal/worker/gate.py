@@ -8,14 +8,17 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from tidal.config.arch import ArchConfig
 from tidal.config.cache import KV_CACHE_DTYPES
 from tidal.config.quant import NATIVE_SCHEMES, SCHEMES, check_scheme
 from tidal.quant.registry import QuantSummary, quantize_model
+
+if TYPE_CHECKING:
+    from tidal.loader.model_loader import LoadedModel
 
 HELDOUT_PATH = Path(__file__).with_name("heldout.txt")
 # Tokens fed to the model per forward pass inside one context chunk. 32 keeps every matmul on the
@@ -73,30 +76,33 @@ def perplexity(nll: torch.Tensor) -> float:
     return math.exp(nll.double().mean().item())
 
 
-@torch.no_grad()
 def score_tokens(
-    model: nn.Module,
-    arch: ArchConfig,
+    loaded: LoadedModel,
     ids: list[int],
     context_tokens: int,
     piece_tokens: int = PIECE_TOKENS,
     kv_cache_dtype: str = "auto",
 ) -> TokenScores:
-    """Split `ids` into chunks of `context_tokens`, run each as its own sequence through the paged
-    model, and score every position's prediction of the next token inside its chunk.
+    """Split `ids` into chunks of `context_tokens`, run each as its own sequence through the
+    engine's model runner, and score every position's prediction of the next token inside its chunk.
 
-    Each chunk is prefilled `piece_tokens` at a time through a paged KV pool stored as
-    `kv_cache_dtype`, so later pieces read earlier ones' keys and values back from the cache as
-    serving does (an 8-bit cache changes these scores)."""
-    from tidal.attention.metadata import build_metadata
+    Each chunk is one request whose prompt is the chunk; it is prefilled `piece_tokens` at a time,
+    as chunked prefill does, asking the runner for its prompt logprobs (top-1 included), through a
+    paged KV pool stored as `kv_cache_dtype`, so later pieces read earlier ones' keys and values
+    back from the cache as serving does (an 8-bit cache changes these scores)."""
+    # Lazy: `tidal --help` imports this module for its quantize-check parser.
     from tidal.kv.layout import KVLayout
-    from tidal.worker.kv_cache import allocate_kv_caches
+    from tidal.request import Request
+    from tidal.sampling_params import SamplingParams
+    from tidal.scheduler.output import ScheduledRequest, SchedulerOutput
+    from tidal.worker.model_runner import ModelRunner
 
     if context_tokens < 2:
         raise ValueError(f"context_tokens={context_tokens} is invalid: expected >= 2")
     if piece_tokens < 1:
         raise ValueError(f"piece_tokens={piece_tokens} is invalid: expected >= 1")
-    kv_dtype = _float_dtype(model)
+    arch = loaded.arch
+    kv_dtype = _float_dtype(loaded.model)
     layout = KVLayout.from_layer_windows(
         arch.layer_windows(),
         block_size=BLOCK_SIZE,
@@ -107,28 +113,29 @@ def score_tokens(
     )
     blocks = -(-context_tokens // BLOCK_SIZE)
     num_groups = len(layout.groups)
-    # Block 0 is the null block; group g owns blocks 1 + g * blocks .. (contiguous).
+    # Block 0 is the null block; group g owns blocks 1 + g * blocks .. (contiguous). Every chunk
+    # reuses them: a chunk starts a fresh sequence, and it only reads positions it has written.
     tables = [[1 + g * blocks + b for b in range(blocks)] for g in range(num_groups)]
-    kv = allocate_kv_caches(layout, 1 + num_groups * blocks, kv_dtype, "cpu")
-    nlls, tops = [], []
+    runner = ModelRunner(loaded, layout, 1 + num_groups * blocks, kv_dtype)
+    # One alternative per position: the runner's top-1 is the model's argmax next token.
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+    nlls: list[float] = []
+    tops: list[int] = []
     for start in range(0, len(ids) - 1, context_tokens):
         chunk = ids[start : start + context_tokens]
         if len(chunk) < 2:
             break
+        req = Request(f"gate-{start}", chunk, params, arrival_time_s=0.0)
         for p in range(0, len(chunk) - 1, piece_tokens):
-            piece = chunk[p : p + piece_tokens]
-            meta = build_metadata([len(piece)], [p + len(piece)], [tables], BLOCK_SIZE, "cpu")
-            hidden = model(
-                torch.tensor(piece, dtype=torch.long),
-                torch.arange(p, p + len(piece), dtype=torch.long),
-                meta,
-                kv,
-            )
-            targets = torch.tensor(chunk[p + 1 : p + len(piece) + 1], dtype=torch.long)
-            logits = model.compute_logits(hidden[: len(targets)]).double()  # (T, vocab)
-            nlls.append(torch.logsumexp(logits, -1) - logits.gather(1, targets[:, None])[:, 0])
-            tops.append(logits.argmax(-1))
-    return TokenScores(torch.cat(nlls), torch.cat(tops))
+            n = min(piece_tokens, len(chunk) - p)
+            piece = ScheduledRequest(req, p, n, tables, sample=False, want_prompt_logprobs=True)
+            out = runner.execute(SchedulerOutput([piece], n, n))
+            for _, lp in out.prompt_logprobs[req.request_id]:
+                nlls.append(-lp.logprob)
+                tops.append(lp.top_ids[0])
+    return TokenScores(
+        torch.tensor(nlls, dtype=torch.float64), torch.tensor(tops, dtype=torch.int64)
+    )
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:
@@ -210,9 +217,9 @@ def run_gate(
     if max_tokens is not None:
         ids = ids[:max_tokens]
     context = context_tokens or min(loaded.arch.max_position_embeddings, 4096)
-    ref = score_tokens(loaded.model, loaded.arch, ids, context)
+    ref = score_tokens(loaded, ids, context)
     summary = quantize_model(loaded.model, scheme) if scheme != "none" else None
-    quant = score_tokens(loaded.model, loaded.arch, ids, context, kv_cache_dtype=kv_cache_dtype)
+    quant = score_tokens(loaded, ids, context, kv_cache_dtype=kv_cache_dtype)
     report = compare(ref, quant, mode_name(scheme, kv_cache_dtype), context, threshold_pct)
     report.summary = summary
     return report
