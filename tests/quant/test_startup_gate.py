@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -154,3 +156,30 @@ def test_serve_flags_reach_the_config(
     assert "quantization_gate: false" in memory and "force_quantization: true" in memory
     with pytest.raises(SystemExit):  # argparse: invalid choice
         tidal_main(["serve", "--print-config", "--kv-cache-dtype", "int4"])
+
+
+def test_serve_int4_on_the_bundled_model_is_refused_with_exit_2(bundled_gguf: Path) -> None:
+    """`tidal serve --quantization int4` at the default threshold (1%): the gate fails (int4 on the
+    bundled Q4_K_M/Q5_0/Q6_K file moves perplexity by tens of percent), the server exits 2 with
+    the gate's message, and the supervisor does not restart the engine: a failed gate is a setting
+    to change, not a crash to retry."""
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        # The first 64 held-out tokens keep the gate's two passes short; the threshold stays the
+        # default. The verdict is stored beside the model, so a later run reads it back.
+        TIDAL_MEMORY_QUANTIZATION_GATE_MAX_TOKENS="64",
+    )
+    for key in [k for k in env if k.startswith("TIDAL_")]:
+        if key != "TIDAL_MEMORY_QUANTIZATION_GATE_MAX_TOKENS":
+            env.pop(key)  # nothing else from the caller's environment reaches the config
+    cmd = [sys.executable, "-m", "tidal.cli_serve", "--host", "127.0.0.1", "--port", "0",
+           "--model", str(bundled_gguf), "--quantization", "int4", "--kv-cache-bytes",
+           str(16 << 20)]  # fmt: skip
+    # A bound that turns a restart loop or a hang into a failure; nothing asserts the time taken.
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    log = done.stdout + done.stderr
+    assert done.returncode == 2, log
+    assert "refusing to serve int4: FAIL int4" in log and "limit +1.0%" in log, log
+    assert log.count("starting (incarnation") == 1, log  # one engine process, never restarted
+    assert "restarting the engine" not in log and "listening on" not in log, log
