@@ -207,9 +207,10 @@ def test_serve_int4_on_the_bundled_model_is_refused_with_exit_2(bundled_gguf: Pa
         # default. The verdict is stored beside the model, so a later run reads it back.
         TIDAL_MEMORY_QUANTIZATION_GATE_MAX_TOKENS="64",
     )
-    for key in [k for k in env if k.startswith("TIDAL_")]:
+    # No gate setting (threshold, force) or injected fault from the caller's environment.
+    for key in [k for k in env if k.startswith(("TIDAL_MEMORY_", "TIDAL_MODEL_", "TIDAL_ENGINE"))]:
         if key != "TIDAL_MEMORY_QUANTIZATION_GATE_MAX_TOKENS":
-            env.pop(key)  # nothing else from the caller's environment reaches the config
+            env.pop(key)
     cmd = [sys.executable, "-m", "tidal.cli_serve", "--host", "127.0.0.1", "--port", "0",
            "--model", str(bundled_gguf), "--quantization", "int4", "--kv-cache-bytes",
            str(16 << 20)]  # fmt: skip
