@@ -20,6 +20,8 @@ from tests.server.tiny_server import ServerProcess
 DEADLINE_S = 120.0
 # A drained shutdown exits 0 (tidal's server drops the signal uvicorn would re-raise).
 CLEAN_EXITS = (0,)
+# Long enough that the stream is still running once the first token is seen; ignore_eos is set.
+MAX_TOKENS = 200
 
 
 def _start(checkpoint: Path, drain_timeout_s: float, monkeypatch: pytest.MonkeyPatch, **env: str):
@@ -38,10 +40,15 @@ def _start(checkpoint: Path, drain_timeout_s: float, monkeypatch: pytest.MonkeyP
     return server
 
 
-def _stream(server: ServerProcess, max_tokens: int, first: threading.Event) -> list[str]:
-    """Every `data:` payload of one streamed completion, [DONE] included."""
+def _stream(
+    server: ServerProcess, max_tokens: int, first: threading.Event, usage: bool = False
+) -> list[str]:
+    """Every `data:` payload of one streamed completion, [DONE] included (and, with `usage`, the
+    usage chunk before it)."""
     body = {"prompt": "Tide", "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True}  # fmt: skip
+    if usage:
+        body["stream_options"] = {"include_usage": True}
     lines = []
     with httpx.stream(
         "POST", server.base_url + "/v1/completions", json=body, timeout=DEADLINE_S
@@ -87,14 +94,21 @@ def test_sigterm_lets_an_open_stream_finish_and_exits_0(
     try:
         first = threading.Event()
         with ThreadPoolExecutor(1) as pool:
-            stream = pool.submit(_stream, server, 24, first)
+            stream = pool.submit(_stream, server, MAX_TOKENS, first, True)
             assert first.wait(DEADLINE_S), server.log
-            _sigterm_and_check_refusals(server)
+            # The engine is paused from the first streamed token until the refusals are seen,
+            # so the signal provably lands while the stream is open (its other 199 tokens
+            # cannot be computed in between), however fast the machine.
+            with server.engine_paused():
+                _sigterm_and_check_refusals(server)
+                assert not stream.done(), "the stream ended before the signal"
             lines = stream.result(DEADLINE_S)
         assert lines[-1] == "[DONE]"
         chunks = [json.loads(line) for line in lines[:-1]]
         assert all("error" not in c for c in chunks), chunks
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert [c for c in chunks if c["choices"]][-1]["choices"][0]["finish_reason"] == "length"
+        # Every token was sent: the drain let the stream run to its end after the signal.
+        assert chunks[-1]["usage"]["completion_tokens"] == MAX_TOKENS, chunks[-1]
         assert server.proc.wait(timeout=DEADLINE_S) in CLEAN_EXITS, server.log
     finally:
         server.stop()

@@ -104,7 +104,7 @@ def test_bundled_gemma_builtin_chat_template(gemma: Tokenizer) -> None:
     assert gemma.encode(prompt, add_special_tokens=False)[:3] == [2, 105, 2364]
 
 
-@pytest.mark.slow
+@pytest.mark.reference
 def test_regenerate_gemma_fixture_with_transformers(bundled_gguf: Path, tmp_path: Path) -> None:
     """Check (or with TIDAL_REGEN_FIXTURES=1 rewrite) the fixture from transformers' GGUF tokenizer."""
     transformers = pytest.importorskip("transformers")

@@ -8,6 +8,7 @@ import pytest
 
 from tests.engine.engine_util import make_engine, run_to_completion
 from tests.engine.tiny import make_tiny_model_dir
+from tidal.attention.kv_quant import QuantizedKV
 from tidal.engine.core import EngineCore
 from tidal.sampling_params import SamplingParams
 
@@ -29,8 +30,13 @@ def _engine(tiny_dir: Path, kv_dtype: str, **kwargs: object) -> EngineCore:
         quantization_gate_max_tokens=32,
         **kwargs,
     )
-    if engine.layout.kv_dtype != kv_dtype:
-        pytest.skip("EngineCore does not pass memory.kv_cache_dtype to KVLayout yet")
+    # NOTE: a failure, never a skip: an engine that stops applying memory.kv_cache_dtype is the
+    # regression this file exists for. Both the layout and the pool the runner writes must be 8-bit.
+    assert engine.layout.kv_dtype == kv_dtype
+    k_pages, v_pages = engine.runner.kv_caches[0]
+    for pages in (k_pages, v_pages):
+        assert isinstance(pages, QuantizedKV) and pages.kv_dtype == kv_dtype
+        assert pages.data.element_size() == 1
     return engine
 
 

@@ -181,27 +181,37 @@ def test_32_concurrent_streams_match_solo(server: ServerProcess) -> None:
 
 
 @pytest.mark.slow
-def test_bundled_model_matches_offline_llm() -> None:
-    """The bundled Gemma 3 270M served over HTTP gives what `tidal.LLM` gives offline (greedy)."""
+def test_bundled_model_over_http_matches_transformers(bundled_gguf) -> None:
+    """The bundled Gemma 3 270M served over HTTP (greedy) gives transformers' greedy tokens on the
+    same file: the completion and the chat reply are the reference fixture's ids
+    (tests/models/fixtures, checked against transformers by the `reference` tests), decoded."""
+    from tests.models.reference_gguf import load_fixture
     from tests.server.tiny_server import serve
+    from tidal.loader.tokenizer import load_tokenizer
 
+    cases = {c["name"]: c for c in load_fixture()["prompts"]}
+    tok = load_tokenizer(bundled_gguf)
     for srv in serve(["--kv-cache-bytes", str(64 << 20), "--max-model-len", "512"]):
         client = openai.OpenAI(
             api_key="none", base_url=srv.base_url + "/v1", max_retries=0, timeout=120
         )
         model = client.models.list().data[0].id
+        short = cases["short_english"]
         out = client.completions.create(
-            model=model, prompt="The capital of France is", max_tokens=8, temperature=0
+            model=model, prompt=short["text"], max_tokens=8, temperature=0
         )
-        # Measured with tidal.LLM().generate(...) on the same file and settings.
-        assert out.choices[0].text == " the capital of the country of France."
+        assert out.usage.prompt_tokens == len(short["prompt_ids"])
+        assert out.choices[0].text == tok.decode(short["greedy_ids"][:8])
+        # The fixture's chat prompt is this message through Gemma's template.
+        chat_case = cases["chat"]
         chat = client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            messages=[{"role": "user", "content": "Write a haiku about autumn leaves."}],
             max_tokens=16,
             temperature=0,
         )
-        assert chat.usage.prompt_tokens == 16 and chat.choices[0].message.content
+        assert chat.usage.prompt_tokens == len(chat_case["prompt_ids"])
+        assert chat.choices[0].message.content == tok.decode(chat_case["greedy_ids"][:16])
 
 
 def test_logit_bias_forces_bans_and_refuses(server: ServerProcess) -> None:

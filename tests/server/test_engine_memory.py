@@ -23,16 +23,28 @@ def _gauges(metrics_text: str) -> dict[str, float]:
     }
 
 
+def _scrape(server: ServerProcess) -> str:
+    return httpx.get(server.base_url + "/metrics", timeout=30).text
+
+
 def test_live_server_reports_the_engine_process_rss(server: ServerProcess) -> None:
     m = re.search(r"engine process (\d+) ready \(incarnation 0,", server.log)
     assert m is not None, server.log
     engine = psutil.Process(int(m.group(1)))
     assert engine.ppid() == server.proc.pid  # the supervised child, not the API process
-    before = engine.memory_info().rss
-    text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    after = engine.memory_info().rss
+    # Idle first (no test's request still finishing), then a scrape between two equal reads:
+    # an idle process's RSS is the same page count read after read, whatever the CPU load, so
+    # a moving one (memory pressure, a late free) is read again instead of widening the band.
+    server.wait_until(lambda: _gauges(_scrape(server))["tidal:num_requests_running"] == 0, "idle")
+    for _ in range(20):
+        before = engine.memory_info().rss
+        text = _scrape(server)
+        after = engine.memory_info().rss
+        if before == after:
+            break
     g = _gauges(text)
-    # An idle engine's RSS barely moves between two reads; 10% covers allocator noise.
+    # 10% is allocator noise at most; the regressions (0, a dead pid, the API process's RSS,
+    # here ~20% smaller than the engine's) land outside it.
     assert 0.9 * min(before, after) <= g["tidal:engine_process_memory_bytes"]
     assert g["tidal:engine_process_memory_bytes"] <= 1.1 * max(before, after)
     api_rss = psutil.Process(server.proc.pid).memory_info().rss

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import string
 import subprocess
 import sys
@@ -111,6 +113,25 @@ class ServerProcess:
     @property
     def log(self) -> str:
         return "".join(self.lines)
+
+    def engine_pid(self, incarnation: int = 0) -> int:
+        """The pid of the supervised engine process `incarnation` (0 is the first), from the log."""
+        m = re.search(rf"engine process (\d+) ready \(incarnation {incarnation},", self.log)
+        if m is None:
+            raise AssertionError(f"no engine incarnation {incarnation} in the log:\n{self.log}")
+        return int(m.group(1))
+
+    @contextlib.contextmanager
+    def engine_paused(self, incarnation: int = 0) -> Iterator[None]:
+        """SIGSTOP the engine process for the block, SIGCONT after: while paused no request can make
+        progress, so a test can hold one open by construction instead of racing the machine's
+        speed. Keep the block short next to server.watchdog_timeout_s (30 s by default)."""
+        pid = self.engine_pid(incarnation)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(pid, signal.SIGCONT)
 
     def wait_until(self, check: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
         """Poll check() every 20 ms; fail with the server's log tail when it never holds."""
