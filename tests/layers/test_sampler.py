@@ -138,20 +138,27 @@ def test_a_row_with_only_stop_tokens_finite_still_yields_a_token() -> None:
     assert _sampler()(all_inf, [_row(top_p=0.5)]).token_ids.item() in range(V)
 
 
+def _run_batched(
+    steps: list[torch.Tensor], kinds: list[dict], order: list[int]
+) -> dict[int, list[int]]:
+    # The rows `order` of each step's logits sampled as one batch: token ids per row index.
+    s = _sampler(seed=len(order))
+    rows = {i: _row(**kinds[i]) for i in order}  # fresh generators per run
+    got: dict[int, list[int]] = {i: [] for i in order}
+    for logits in steps:
+        out = s(logits[order], [rows[i] for i in order])
+        for j, i in enumerate(order):
+            got[i].append(out.token_ids[j].item())
+    return got
+
+
 def test_seeded_rows_give_the_same_tokens_alone_and_in_any_batch() -> None:
     torch.manual_seed(1)
     steps = [torch.randn(5, V) for _ in range(6)]
     kinds = [dict(seed=7), dict(seed=8, top_k=3), dict(temperature=0.0), dict(), dict(seed=9)]
 
     def run(order: list[int]) -> dict[int, list[int]]:
-        s = _sampler(seed=len(order))
-        rows = {i: _row(**kinds[i]) for i in order}  # fresh generators per run
-        got: dict[int, list[int]] = {i: [] for i in order}
-        for logits in steps:
-            out = s(logits[order], [rows[i] for i in order])
-            for j, i in enumerate(order):
-                got[i].append(out.token_ids[j].item())
-        return got
+        return _run_batched(steps, kinds, order)
 
     alone = {i: run([i])[i] for i in (0, 1, 4)}
     for order in ([0, 1, 2, 3, 4], [4, 3, 0], [1, 2, 4, 0]):
@@ -285,14 +292,7 @@ def test_logit_bias_is_batch_invariant() -> None:
     kinds = [dict(seed=11, logit_bias={2: 3.0, 5: -2.0}), dict(temperature=0.0), dict(seed=12)]
 
     def run(order: list[int]) -> dict[int, list[int]]:
-        s = _sampler(seed=len(order))
-        rows = {i: _row(**kinds[i]) for i in order}
-        got: dict[int, list[int]] = {i: [] for i in order}
-        for logits in steps:
-            out = s(logits[order], [rows[i] for i in order])
-            for j, i in enumerate(order):
-                got[i].append(out.token_ids[j].item())
-        return got
+        return _run_batched(steps, kinds, order)
 
     alone = run([0])[0]
     assert run([0, 1, 2])[0] == alone and run([2, 0])[0] == alone
