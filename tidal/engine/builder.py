@@ -94,14 +94,6 @@ def build_engine(
                 f"{summary.weight_bytes_before / 1e6:.0f} MB -> {summary.weight_bytes_after / 1e6:.0f} MB"
             )
     core = EngineCore(config, loaded, tokenizer, clock=clock, on_step=on_step)
-    if core.layout.kv_dtype != config.cache.kv_cache_dtype:
-        # NOTE: EngineCore builds the KVLayout; until it passes memory.kv_cache_dtype along, the
-        # pool stays in the model's dtype. Say so rather than let a user believe it holds 2x.
-        log.warning(
-            "memory.kv_cache_dtype=%s is not applied by this EngineCore: the KV cache stays %s",
-            config.cache.kv_cache_dtype,
-            loaded.dtype,
-        )
     if progress:
         progress(f"KV cache: {core.num_blocks} blocks of {core.layout.page_bytes} bytes")
     release_free_heap()  # loading's scratch (GGUF metadata, weight conversion) is free by now
