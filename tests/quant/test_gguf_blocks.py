@@ -14,7 +14,7 @@ from tidal.config.quant import resolve_scheme
 from tidal.kernels.gguf_gemm import BlockWeight, gguf_gemm
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.loader.gguf_file import GGUFFile
-from tidal.loader.model_loader import load_model
+from tidal.loader.model_loader import LoadedModel, load_model
 from tidal.quant import gguf_blocks
 from tidal.quant.gguf_blocks import GGUFEmbedding, GGUFLinear
 from tidal.quant.registry import weight_bytes
@@ -60,10 +60,8 @@ def test_blocks_load_costs_the_files_bytes(tiny_gguf: Path) -> None:
     assert weight_bytes(model) - rotary == file_bytes
 
 
-@pytest.mark.parametrize("chunk", [None, 5])
-def test_blocks_match_the_float_model(tiny_gguf: Path, chunk: int | None) -> None:
-    ref = load_model(tiny_gguf, weight_cache=False)
-    ours = load_model(tiny_gguf, gguf_blocks=True)
+def _assert_same_model(ref: LoadedModel, ours: LoadedModel, chunk: int | None) -> None:
+    # Same greedy tokens, logits within 1e-4, through the paged cache (chunked prefill or not).
     ref_logits, ref_tokens = paged_prefill_and_greedy(ref.model, ref.arch, PROMPTS, 12, chunk)
     logits, tokens = paged_prefill_and_greedy(ours.model, ours.arch, PROMPTS, 12, chunk)
     assert tokens == ref_tokens
@@ -71,6 +69,13 @@ def test_blocks_match_the_float_model(tiny_gguf: Path, chunk: int | None) -> Non
         worst = (a - b).abs().max().item()
         print(f"max |logit diff| {worst:.2e}")
         assert worst < 1e-4
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_blocks_match_the_float_model(tiny_gguf: Path, chunk: int | None) -> None:
+    ref = load_model(tiny_gguf, weight_cache=False)
+    ours = load_model(tiny_gguf, gguf_blocks=True)
+    _assert_same_model(ref, ours, chunk)
 
 
 @pytest.mark.parametrize("chunk", [None, 5])
@@ -82,13 +87,7 @@ def test_iq4_blocks_match_the_float_model(iq4_gguf: Path, chunk: int | None) -> 
     assert [p.ggml_type for p in layer.mlp.gate_up_proj.parts] == [int(Q.IQ4_XS)] * 2
     assert [p.ggml_type for p in layer.self_attn.o_proj.parts] == [int(Q.IQ4_XS)]
     assert layer.self_attn.qkv_proj.parts[0].ggml_type == int(Q.IQ4_NL)
-    ref_logits, ref_tokens = paged_prefill_and_greedy(ref.model, ref.arch, PROMPTS, 12, chunk)
-    logits, tokens = paged_prefill_and_greedy(ours.model, ours.arch, PROMPTS, 12, chunk)
-    assert tokens == ref_tokens
-    for a, b in zip(logits, ref_logits):
-        worst = (a - b).abs().max().item()
-        print(f"max |logit diff| {worst:.2e}")
-        assert worst < 1e-4
+    _assert_same_model(ref, ours, chunk)
 
 
 def test_q8_activations_stay_close(tiny_gguf: Path) -> None:
