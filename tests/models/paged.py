@@ -71,6 +71,21 @@ def paged_prefill_and_greedy(
     """All prompts prefilled together (optionally in chunks), then decoded together greedily.
     Returns per-prompt logits over the prompt positions and the generated ids."""
     batch = PagedBatch(model, arch, max(len(p) for p in prompts) + max_new, len(prompts))
+    prompt_logits = paged_prefill(batch, prompts, chunk)
+    outs = [[int(pl[-1].argmax())] for pl in prompt_logits]
+    for _ in range(max_new - 1):
+        lens = [len(p) + len(o) - 1 for p, o in zip(prompts, outs)]
+        logits = batch.step([[o[-1]] for o in outs], lens, list(range(len(prompts))))
+        for i, row in enumerate(logits):
+            outs[i].append(int(row.argmax()))
+    return prompt_logits, outs
+
+
+def paged_prefill(
+    batch: PagedBatch, prompts: list[list[int]], chunk: int | None = None
+) -> list[torch.Tensor]:
+    """Prefill every prompt (sequence i of `batch`) together, in chunks of `chunk` tokens when
+    given; per prompt, the logits over its positions (T_i, V)."""
     prompt_logits: list[list[torch.Tensor]] = [[] for _ in prompts]
     done = [0] * len(prompts)
     while any(d < len(p) for d, p in zip(done, prompts)):
@@ -82,10 +97,4 @@ def paged_prefill_and_greedy(
             prompt_logits[i].append(logits[offset : offset + len(c)])
             offset += len(c)
             done[i] += len(c)
-    outs = [[int(torch.cat(pl)[-1].argmax())] for pl in prompt_logits]
-    for _ in range(max_new - 1):
-        lens = [len(p) + len(o) - 1 for p, o in zip(prompts, outs)]
-        logits = batch.step([[o[-1]] for o in outs], lens, list(range(len(prompts))))
-        for i, row in enumerate(logits):
-            outs[i].append(int(row.argmax()))
-    return [torch.cat(pl) for pl in prompt_logits], outs
+    return [torch.cat(pl) for pl in prompt_logits]

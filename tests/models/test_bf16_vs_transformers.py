@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from tests.models.paged import PagedBatch, paged_prefill_and_greedy
+from tests.models.paged import PagedBatch, paged_prefill, paged_prefill_and_greedy
 from tests.models.test_vs_transformers import FAMILIES, PROMPTS
 from tests.models.tiny_hf import make_tiny_model
 from tidal.loader.model_loader import load_model
@@ -72,18 +72,8 @@ def _teacher_forced(loaded, chunk: int | None, forced: list[list[int]]) -> list[
     tokens: the decode path (one token per sequence per step through the paged KV) compared row
     for row, even after a near-tie would have sent the two greedy paths apart. (MAX_NEW, V) each."""
     batch = PagedBatch(loaded.model, loaded.arch, max(map(len, PROMPTS)) + MAX_NEW, len(PROMPTS))
-    rows: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
-    done = [0] * len(PROMPTS)
-    while any(d < len(p) for d, p in zip(done, PROMPTS)):
-        live = [i for i, p in enumerate(PROMPTS) if done[i] < len(p)]
-        chunks = [PROMPTS[i][done[i] : done[i] + (chunk or len(PROMPTS[i]))] for i in live]
-        logits = batch.step(chunks, [done[i] for i in live], live)
-        offset = 0
-        for i, c in zip(live, chunks):
-            offset += len(c)
-            done[i] += len(c)
-            if done[i] == len(PROMPTS[i]):
-                rows[i].append(logits[offset - 1])  # predicts the first new token
+    # The last prompt row predicts the first new token.
+    rows = [[pl[-1]] for pl in paged_prefill(batch, PROMPTS, chunk)]
     for step in range(MAX_NEW - 1):
         starts = [len(p) + step for p in PROMPTS]
         logits = batch.step([[f[step]] for f in forced], starts, list(range(len(PROMPTS))))
