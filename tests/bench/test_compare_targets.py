@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.bench.compare import TPOT_TARGET, target_list
+from tidal.bench.compare import TARGETS, TPOT_TARGET, context_tokens, target_list, tidal_command
 from tidal.cli import build_parser
 
 
@@ -31,3 +31,15 @@ def test_the_flag_parses() -> None:
         ["bench", "compare", "--target-tpot-ms", "150", "--workload", "mix"]
     )
     assert args.target_tpot_ms == 150.0
+
+
+def test_tidal_holds_the_context_llama_server_is_given() -> None:
+    """Memory is compared at equal KV tokens: llama-server's -c is tidal's --kv-cache-tokens."""
+    args = build_parser().parse_args(["bench", "compare", "--parallel", "12"])
+    assert context_tokens(args) == 4096 * 12
+    cmd = tidal_command(TARGETS["tidal"], None, args)
+    assert cmd[cmd.index("--kv-cache-tokens") + 1] == str(4096 * 12)
+    args = build_parser().parse_args(["bench", "compare", "--context-tokens", "8192"])
+    cmd = tidal_command(TARGETS["tidal-int8"], None, args)
+    assert cmd[cmd.index("--kv-cache-tokens") + 1] == "8192"
+    assert cmd[-3:] == list(TARGETS["tidal-int8"].args)

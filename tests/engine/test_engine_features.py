@@ -91,6 +91,20 @@ def test_prefix_blocks_within_ttl_are_kept(tiny_model_dir):
     assert _run_one(engine, "c", prompt, GREEDY).num_cached_tokens == 3 * BLOCK
 
 
+def test_kv_pool_sized_in_tokens(tiny_llama_dir):
+    """kv_cache_tokens=N gives exactly the pages N tokens need, and a prompt of N - 1 tokens
+    (one is left for the generated token) runs without preemption or eviction."""
+    engine = make_engine(tiny_llama_dir, kv_cache_bytes=None, kv_cache_tokens=40, max_model_len=64)
+    groups = len(engine.layout.groups)
+    assert engine.num_blocks == 1 + groups * -(-40 // engine.layout.block_size)
+    out = _run_one(
+        engine, "a", [1] + list(range(10, 48)), SamplingParams(temperature=0, max_tokens=1)
+    )
+    assert len(out.outputs[0].token_ids) == 1
+    assert engine.kv.evictions_by_reason["pressure"] == 0
+    assert_pool_clean(engine.kv)
+
+
 @pytest.mark.parametrize("with_session", [True, False])
 def test_session_turns_outlive_anonymous_blocks(tiny_llama_dir, with_session):
     """Under memory pressure anonymous cached blocks go first, even when they are more recent.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tidal.config.cache import CacheConfig
-from tidal.kv.block_pool import num_blocks_for_budget
+from tidal.kv.block_pool import num_blocks_for_budget, num_blocks_for_tokens
 from tidal.kv.layout import KVLayout
 
 GIB = 1 << 30
@@ -65,3 +65,23 @@ def test_unknown_kv_dtype_is_refused() -> None:
         gemma_layout(2, "int4")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is invalid: expected one of auto"):
         CacheConfig(kv_cache_dtype="fp16")
+
+
+def test_blocks_for_a_token_count_cover_every_group() -> None:
+    # Gemma 3 270M: 6 groups (1 full, 5 sliding). 4096 tokens = 256 pages in each group + null.
+    layout = gemma_layout(4)
+    assert len(layout.groups) == 6
+    assert num_blocks_for_tokens(layout, 4096) == 1 + 6 * 256
+    assert num_blocks_for_tokens(layout, 4097) == 1 + 6 * 257  # a partial page is a page
+    # In bytes that is the full 18-layer K/V of 4096 float32 tokens (llama.cpp's --swa-full).
+    assert (num_blocks_for_tokens(layout, 4096) - 1) * layout.page_bytes == 2 * 18 * 4096 * 256 * 4
+    with pytest.raises(ValueError, match="tokens=0 is invalid"):
+        num_blocks_for_tokens(layout, 0)
+
+
+def test_kv_cache_tokens_and_bytes_are_exclusive() -> None:
+    assert CacheConfig(kv_cache_tokens=4096).kv_cache_tokens == 4096
+    with pytest.raises(ValueError, match="kv_cache_tokens=4096 is invalid: expected null when"):
+        CacheConfig(kv_cache_tokens=4096, kv_cache_bytes=GIB)
+    with pytest.raises(ValueError, match="kv_cache_tokens=0 is invalid"):
+        CacheConfig(kv_cache_tokens=0)

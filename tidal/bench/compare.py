@@ -91,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     # One thread by default: on a shared 2-core box, 2 torch threads per server spin against the
     # other processes and a step took seconds; every target gets the same count either way.
     p.add_argument("--threads", type=int, default=1, help="CPU threads per server (all targets)")
+    p.add_argument("--context-tokens", type=int, default=None,
+                   help="KV tokens every server holds: llama-server's -c and tidal's "
+                        "--kv-cache-tokens, so memory is compared at equal tokens "
+                        "(default: 4096 per --parallel slot)")  # fmt: skip
     p.add_argument("--startup-timeout-s", type=float, default=600.0)
     p.add_argument("--log-dir", default=None, help="server logs (default: next to --json, else a temp dir)")  # fmt: skip
 
@@ -157,6 +161,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def tidal_command(t: Target, model: Path | None, args: argparse.Namespace) -> list[str]:
+    """`tidal serve` for a tidal target; its KV pool holds llama-server's context unless the
+    target sizes the pool itself."""
+    cmd = [sys.executable, "-m", "tidal.cli_serve", "--host", "127.0.0.1", "--port", "0",
+           "--threads", str(args.threads)]  # fmt: skip
+    if not any(a.startswith("--kv-cache") for a in t.args):
+        cmd += ["--kv-cache-tokens", str(context_tokens(args))]
+    if model is not None:
+        cmd += ["--model", str(model)]
+    return cmd + list(t.args)
+
+
 def start_target(
     t: Target, model: Path | None, args: argparse.Namespace, log_dir: Path
 ) -> tuple[ServerHandle, str]:
@@ -164,10 +180,7 @@ def start_target(
     log = log_dir / f"{t.name}.log"
     common = ["--host", "127.0.0.1", "--port", "0"]
     if t.kind == "tidal":
-        cmd = [sys.executable, "-m", "tidal.cli_serve", *common, "--threads", str(args.threads)]
-        if model is not None:
-            cmd += ["--model", str(model)]
-        return ServerHandle(cmd + list(t.args), log), "/ready"
+        return ServerHandle(tidal_command(t, model, args), log), "/ready"
     gguf = model if model is not None else _bundled_gguf()
     if t.kind == "hf-static":
         cmd = [sys.executable, "-m", "tidal.bench.hf_static_server", *common, "--model", str(gguf),
@@ -182,9 +195,16 @@ def start_target(
         port = _free_port()  # llama-server cannot pick one and tell us; a tiny race, accepted
         cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(args.parallel), "--cont-batching", "--metrics",
-               "-c", str(4096 * args.parallel), "-t", str(args.threads)]  # fmt: skip
+               "-c", str(context_tokens(args)), "-t", str(args.threads)]  # fmt: skip
         return ServerHandle(cmd + list(t.args), log, f"http://127.0.0.1:{port}"), "/health"
     raise ValueError(f"target kind={t.kind!r} is invalid: expected tidal, hf-static or llama.cpp")
+
+
+def context_tokens(args: argparse.Namespace) -> int:
+    """The KV tokens each server is given. llama-server keeps sliding-window layers' cache at the
+    window (its default, no --swa-full) while tidal's pool holds them in every layer: at equal
+    tokens tidal reserves at least as much KV memory as llama-server, never less."""
+    return args.context_tokens or 4096 * args.parallel
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

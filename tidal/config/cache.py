@@ -15,8 +15,12 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 class CacheConfig:
     # Tokens per KV block (page).
     block_size: int = 16
-    # KV pool size in bytes; None sizes it from `memory_fraction`.
+    # KV pool size in bytes; None sizes it from `kv_cache_tokens` or `memory_fraction`.
     kv_cache_bytes: int | None = None
+    # KV pool size in tokens (llama.cpp's -c, with --swa-full): enough pages for this many tokens
+    # in every layer. Sliding-window layers free pages that fall out of their window, so the pool
+    # then holds more tokens than this in practice. Cannot be set together with kv_cache_bytes.
+    kv_cache_tokens: int | None = None
     # Without kv_cache_bytes: on GPU the fraction of free device memory (vLLM's
     # gpu_memory_utilization); on CPU the fraction of available RAM, capped by `max_cpu_kv_bytes`.
     memory_fraction: float = 0.9
@@ -55,6 +59,18 @@ class CacheConfig:
             "kv_cache_bytes",
             self.kv_cache_bytes,
             "a positive integer or None",
+        )
+        check(
+            self.kv_cache_tokens is None or self.kv_cache_tokens > 0,
+            "kv_cache_tokens",
+            self.kv_cache_tokens,
+            "a positive integer or None",
+        )
+        check(
+            self.kv_cache_tokens is None or self.kv_cache_bytes is None,
+            "kv_cache_tokens",
+            self.kv_cache_tokens,
+            "null when kv_cache_bytes is set (the pool is sized by one of the two)",
         )
         check(
             0.0 < self.memory_fraction <= 1.0,

@@ -106,6 +106,11 @@ KEY_DOCS: dict[str, KeyDoc] = {
     "memory.kv_cache_bytes": KeyDoc(
         "KV pool size, e.g. 2GiB; null: sized from memory_fraction", "--kv-cache-bytes", "1GiB"
     ),
+    "memory.kv_cache_tokens": KeyDoc(
+        "KV pool size in tokens held in every layer (llama.cpp's -c with --swa-full); "
+        "null: sized by kv_cache_bytes or memory_fraction",
+        "--kv-cache-tokens",
+    ),
     "memory.memory_fraction": KeyDoc(
         "without kv_cache_bytes: the share of free GPU memory / available RAM for the KV pool",
         "--memory-fraction",

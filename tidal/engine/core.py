@@ -12,7 +12,7 @@ import torch
 from tidal.config.engine import EngineConfig
 from tidal.engine.output import OutputState, RequestDelta, RequestOutput, make_logprobs
 from tidal.engine.stats import StepStats
-from tidal.kv.block_pool import num_blocks_for_budget
+from tidal.kv.block_pool import num_blocks_for_budget, num_blocks_for_tokens
 from tidal.kv.layout import KVLayout
 from tidal.kv.manager import KVCacheManager
 from tidal.loader.model_loader import LoadedModel
@@ -72,7 +72,12 @@ class EngineCore:
             dtype_bytes=kv_dtype.itemsize,
             kv_dtype=config.cache.kv_cache_dtype,
         )
-        self.num_blocks = num_blocks_for_budget(self.layout, self._kv_budget_bytes(loaded.device))
+        if config.cache.kv_cache_tokens is not None:
+            self.num_blocks = num_blocks_for_tokens(self.layout, config.cache.kv_cache_tokens)
+        else:
+            self.num_blocks = num_blocks_for_budget(
+                self.layout, self._kv_budget_bytes(loaded.device)
+            )
         self.kv = KVCacheManager(self.layout, self.num_blocks, config.cache, clock)
         on_cpu = loaded.device.type == "cpu"
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, clock, on_cpu=on_cpu)

@@ -198,3 +198,14 @@ def num_blocks_for_budget(layout: KVLayout, kv_bytes: int) -> int:
             f"expected at least {2 * layout.page_bytes} bytes (the null block and one usable block)"
         )
     return num_blocks
+
+
+def num_blocks_for_tokens(layout: KVLayout, tokens: int) -> int:
+    """How many blocks (the null block included) hold `tokens` tokens in every layer group.
+
+    Each group keeps its own block table, so a token costs one page slot per group; sliding
+    groups give back pages that leave their window, so the pool then holds more than `tokens`."""
+    if tokens <= 0:
+        raise ValueError(f"tokens={tokens} is invalid: expected a positive number of tokens")
+    pages_per_group = -(-tokens // layout.block_size)
+    return 1 + pages_per_group * len(layout.groups)
