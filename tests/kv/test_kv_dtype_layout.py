@@ -58,9 +58,16 @@ def test_small_head_dim_pays_relatively_more_for_scales() -> None:
     assert num_blocks_for_budget(i8, 1 << 20) == (1 << 20) // 17408 == 60
 
 
+def test_bfloat16_pages_are_half_of_float32() -> None:
+    # A float32 model with 16-bit pages: 2 bytes an element whatever the compute dtype.
+    assert gemma_layout(4, "bfloat16").page_bytes == 2 * 3 * 16 * 256 * 2 == 49152
+    assert not gemma_layout(4, "bfloat16").quantized
+    assert num_blocks_for_budget(gemma_layout(4, "bfloat16"), GIB) == 21845
+
+
 def test_unknown_kv_dtype_is_refused() -> None:
     with pytest.raises(
-        ValueError, match="kv_cache_dtype='int4' is invalid: expected one of auto, int8, fp8"
+        ValueError, match="kv_cache_dtype='int4' is invalid: expected one of auto, bfloat16, int8, fp8"
     ):
         gemma_layout(2, "int4")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is invalid: expected one of auto"):

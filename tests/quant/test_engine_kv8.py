@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.engine.engine_util import make_engine, run_to_completion
 from tests.engine.tiny import make_tiny_model_dir
@@ -62,3 +63,51 @@ def test_blocks_per_budget_and_prefix_hits(tiny_dir: Path, kv_dtype: str) -> Non
     assert engine.kv.prefix_hit_tokens >= 40  # the second prompt reused the 5 shared pages
     miss = _generate(_engine(tiny_dir, kv_dtype, enable_prefix_caching=False), prompts)
     assert hit == miss
+
+
+def _bf16_engine(tiny_dir: Path, **kwargs: object) -> EngineCore:
+    engine = make_engine(
+        tiny_dir,
+        kv_cache_bytes=KV_BYTES,
+        kv_cache_dtype="bfloat16",
+        quantization_gate_max_tokens=32,
+        **kwargs,
+    )
+    assert engine.layout.kv_dtype == "bfloat16"
+    for pages in engine.runner.kv_caches[0]:
+        assert isinstance(pages, torch.Tensor) and pages.dtype == torch.bfloat16
+    return engine
+
+
+def test_bfloat16_pages_under_float32_compute(tiny_dir: Path) -> None:
+    """memory.kv_cache_dtype bfloat16 with a float32 model: half the page bytes (twice the
+    blocks), and the same greedy tokens with or without a prefix hit, alone or batched."""
+    engine = _bf16_engine(tiny_dir)
+    float_engine = make_engine(tiny_dir, kv_cache_bytes=KV_BYTES)
+    assert engine.loaded.dtype == torch.float32
+    assert engine.layout.page_bytes * 2 == float_engine.layout.page_bytes
+    assert engine.num_blocks == KV_BYTES // engine.layout.page_bytes
+    prompts = [PREFIX + [90, 91, 92], PREFIX + [95, 96], [1, *range(120, 133)]]
+    hit = _generate(engine, prompts)
+    assert engine.kv.prefix_hit_tokens >= 40
+    assert hit == _generate(_bf16_engine(tiny_dir, enable_prefix_caching=False), prompts)
+    batched = _bf16_engine(tiny_dir, enable_prefix_caching=False)
+    for i, prompt in enumerate(prompts):
+        batched.add_request(f"r{i}", prompt, GREEDY)
+    final = run_to_completion(batched)
+    assert [list(final[f"r{i}"].outputs[0].token_ids) for i in range(3)] == hit
+
+
+def test_bfloat16_pages_kernel_and_reference_agree(
+    tiny_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C kernel rounds K/V to bfloat16 as torch's .to() does (nearest even), so the torch
+    reference path, reading the same pages, gives the same greedy tokens."""
+    from tidal.kernels import paged_attention as pa
+
+    if not pa.available():
+        pytest.skip("no C compiler: the engine runs the reference path only")
+    prompts = [PREFIX + [90, 91, 92], [1, *range(120, 133)]]
+    with_kernel = _generate(_bf16_engine(tiny_dir), prompts)
+    monkeypatch.setattr(pa, "available", lambda: False)
+    assert _generate(_bf16_engine(tiny_dir), prompts) == with_kernel

@@ -6,9 +6,13 @@ from dataclasses import dataclass
 
 from tidal.config._check import check
 
-# The KV cache's storage choices: "auto" keeps the model's float dtype; the 8-bit ones store one
-# byte per element plus one float32 scale per (token, KV head), see tidal.attention.kv_quant.
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# The KV cache's storage choices: "auto" keeps the model's float dtype; "bfloat16" stores 16-bit
+# pages whatever the compute dtype (half of float32's bytes; keys and values are rounded to
+# nearest even when written, and widen exactly when read); the 8-bit ones store one byte per
+# element plus one float32 scale per (token, KV head), see tidal.attention.kv_quant.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
+# The 8-bit ones, stored as codes and scales rather than a float tensor.
+QUANTIZED_KV_DTYPES = ("int8", "fp8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +36,9 @@ class CacheConfig:
     prefix_ttl_s: float = 300.0
     # Requests with a session id keep their last N turns ahead of anonymous blocks (cache_window).
     session_turns: int = 4
-    # KV storage: "auto" is the model's dtype; "int8" / "fp8" (e4m3) hold about twice the tokens
-    # of bfloat16 (4x float32) in the same bytes, with a per-token, per-head scale.
+    # KV storage: "auto" is the model's dtype; "bfloat16" holds twice the tokens of float32;
+    # "int8" / "fp8" (e4m3) about twice those of bfloat16 (4x float32) in the same bytes, with a
+    # per-token, per-head scale.
     kv_cache_dtype: str = "auto"
     # NOTE: the two gate switches below cover model.quantization too; they sit here because this
     # session owns only this config section (see docs/quantization.md).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import gcd
 
-from tidal.config.cache import KV_CACHE_DTYPES
+from tidal.config.cache import KV_CACHE_DTYPES, QUANTIZED_KV_DTYPES
 
 KV_SCALE_BYTES = 4
 
@@ -39,7 +39,8 @@ class KVLayout:
 
     @property
     def quantized(self) -> bool:
-        return self.kv_dtype != "auto"
+        """8-bit pages (codes and scales) rather than a float tensor."""
+        return self.kv_dtype in QUANTIZED_KV_DTYPES
 
     @property
     def layers_per_group(self) -> int:
@@ -57,6 +58,8 @@ class KVLayout:
         head_dim 256 is 260/512 of float16's (1.97x the blocks) and 260/1024 of float32's."""
         if self.quantized:
             per_head = self.head_dim + KV_SCALE_BYTES
+        elif self.kv_dtype == "bfloat16":
+            per_head = self.head_dim * 2
         else:
             per_head = self.head_dim * self.dtype_bytes
         return 2 * self.layers_per_group * self.block_size * self.num_kv_heads * per_head

@@ -19,7 +19,7 @@ def allocate_kv_caches(
     The pool is (layers_per_group, 2, num_blocks, block_size, KVH, D): layer j of every group uses
     slot j, so a block id owned by group g only ever holds g's layers. Zero-filled, because the
     null block 0 is read (and masked out) by sliding layers, and 0 * NaN would poison the output.
-    `dtype` is the float storage of layout.kv_dtype "auto"; an 8-bit layout ignores it.
+    `dtype` is the float storage of layout.kv_dtype "auto"; "bfloat16" and 8-bit layouts ignore it.
     """
     shape = (
         layout.layers_per_group,
@@ -32,7 +32,8 @@ def allocate_kv_caches(
     if layout.quantized:
         data, scale = allocate_quantized_pool(*shape[:1], *shape[2:], layout.kv_dtype, device)
     else:
-        pool = torch.zeros(shape, dtype=dtype, device=device)
+        storage = torch.bfloat16 if layout.kv_dtype == "bfloat16" else dtype
+        pool = torch.zeros(shape, dtype=storage, device=device)
     caches: list[KVCache] = [None] * layout.num_layers  # type: ignore[list-item]
     for spec in layout.groups:
         for slot, layer_id in enumerate(spec.layer_ids):
