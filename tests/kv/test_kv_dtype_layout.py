@@ -67,7 +67,8 @@ def test_bfloat16_pages_are_half_of_float32() -> None:
 
 def test_unknown_kv_dtype_is_refused() -> None:
     with pytest.raises(
-        ValueError, match="kv_cache_dtype='int4' is invalid: expected one of auto, bfloat16, int8, fp8"
+        ValueError,
+        match="kv_cache_dtype='int4' is invalid: expected one of auto, bfloat16, int8, fp8",
     ):
         gemma_layout(2, "int4")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is invalid: expected one of auto"):
