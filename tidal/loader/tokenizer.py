@@ -36,13 +36,16 @@ _FAMILY_ALIASES: dict[str, str] = {
     "qwen": "chatml",
     "qwen2": "chatml",
     "qwen3": "chatml",
+    "qwen3_moe": "chatml",
     "llama3": "llama3",
     "mistral": "mistral",
+    "mixtral": "mistral",
     "deepseek_r1": "deepseek_r1",
 }
 
-# Model families whose checkpoints use several chat formats: the vocabulary tells which.
-_VOCAB_DECIDES = frozenset({"llama"})
+# Model families whose checkpoints use several chat formats: the vocabulary tells which (DeepSeek
+# V2/V3 checkpoints are R1 when they carry its think tags; V2 and V3 chat have no built-in).
+_VOCAB_DECIDES = frozenset({"llama", "deepseek_v2", "deepseek_v3"})
 
 
 class Tokenizer:
