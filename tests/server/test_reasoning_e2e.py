@@ -173,10 +173,20 @@ def test_no_end_tag_is_all_reasoning(r1_server) -> None:
     assert out.choices[0].message.content is None
     assert out.choices[0].message.model_extra["reasoning_content"] == forced.reasoning
     assert out.usage.completion_tokens_details.reasoning_tokens == k
-    chunks = list(_chat(server, forced, max_tokens=k, stream=True))
+    stream = _chat(
+        server, forced, max_tokens=k, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )  # fmt: skip
+    chunks = list(stream)
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert not any(d.content for d in deltas)
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == forced.reasoning
+    # Every chunk's usage: all tokens so far are reasoning tokens.
+    counts = [
+        (c.usage.completion_tokens, c.usage.completion_tokens_details.reasoning_tokens)
+        for c in chunks
+    ]
+    assert all(done == reasoning for done, reasoning in counts) and counts[-1] == (k, k)
 
 
 def test_completions_return_the_raw_text(r1_server) -> None:

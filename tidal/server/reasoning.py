@@ -299,11 +299,13 @@ class ChatReasoning:
         """None when the server has no reasoning parser (-> ChatReasoning | None)."""
         if parser is None:
             return None
+        cont = bool(req.continue_final_message)
         prefix = generation_prefix(
             tokenizer.apply_chat_template,
             [_message_dict(m) for m in req.messages],
-            add_generation_prompt=bool(req.add_generation_prompt),
-            continue_final_message=bool(req.continue_final_message),
+            # As inputs.chat_input renders it: continuing a message adds no generation prompt.
+            add_generation_prompt=bool(req.add_generation_prompt) and not cont,
+            continue_final_message=cont,
             template_kwargs=dict(req.chat_template_kwargs or {}),
         )
         return ChatReasoning(parser, parser.starts_in_reasoning(prefix), tokenizer.decode)

@@ -118,7 +118,7 @@ async def _stream(
 
     def usage_now() -> UsageInfo:
         info = usage.usage()
-        if reasoning is not None:  # ChoiceState.token_ids is kept for this count only
+        if reasoning is not None:
             info.completion_tokens_details = reasoning.details(
                 ch.token_ids for ch in choices.values()
             )
@@ -136,6 +136,9 @@ async def _stream(
     try:
         async for _, out in all_outputs():
             usage.add(0, out)
+            if reasoning is not None:  # the ids usage counted, for its reasoning tokens
+                for c in out.outputs:
+                    choices.setdefault(c.index, ChoiceState()).token_ids.extend(c.token_ids)
             for c in out.outputs:
                 ch = choices.setdefault(c.index, ChoiceState())
                 if ch.finish_reason is not None:
@@ -154,7 +157,6 @@ async def _stream(
                 if reasoning is None:
                     deltas = [DeltaMessage(content=c.text)] if c.text else []
                 else:
-                    ch.token_ids.extend(c.token_ids)
                     splitter = splitters.setdefault(c.index, reasoning.splitter())
                     deltas = reasoning.deltas(splitter, c.text, c.finish_reason is not None)
                 if not deltas and c.finish_reason is None and (num_top is None or not c.token_ids):
