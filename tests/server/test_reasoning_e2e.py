@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import string
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +40,7 @@ USER = [{"role": "user", "content": "What is 2+2?"}]
 PENALTIES = {"presence_penalty": 2.0, "frequency_penalty": 2.0}
 
 
-def _write_tokenizer(out_dir: Path, texts: list[str]) -> None:
+def _write_tokenizer(out_dir: Path, texts: list[str], special_tags: bool = False) -> None:
     """texts[i] is id i's text; the char-level split never produces the filler words."""
     vocab = {t: i for i, t in enumerate(texts)}
     assert len(vocab) == VOCAB_SIZE
@@ -46,7 +48,7 @@ def _write_tokenizer(out_dir: Path, texts: list[str]) -> None:
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAGS])
+    tok.add_tokens([AddedToken(t, special=special_tags, normalized=False) for t in TAGS])
     tok.save(str(out_dir / "tokenizer.json"))
     config = {"bos_token": BOS, "eos_token": EOS, "pad_token": "<pad>", "add_bos_token": False}
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config))
@@ -64,7 +66,7 @@ class Forced:
 
 
 @pytest.fixture(scope="module")
-def r1_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerProcess, Forced]]:
+def r1_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Forced]:
     from tests.models.tiny_hf import make_tiny_model
     from tidal import LLM
     from tidal.sampling_params import SamplingParams
@@ -98,6 +100,12 @@ def r1_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server
         raw="".join(texts[i] for i in ids),
         num_reasoning=k,
     )
+    return out_dir, forced
+
+
+@pytest.fixture(scope="module")
+def r1_server(r1_checkpoint: tuple[Path, Forced]) -> Iterator[tuple[ServerProcess, Forced]]:
+    out_dir, forced = r1_checkpoint
     args = ["--model", str(out_dir), "--kv-cache-bytes", KV_BYTES, "--served-model-name", MODEL]
     for server in serve(args):
         yield server, forced
@@ -198,3 +206,25 @@ def test_completions_return_the_raw_text(r1_server) -> None:
     )  # fmt: skip
     assert out.choices[0].text == forced.raw and "</think>" in forced.raw
     assert out.usage.completion_tokens_details is None
+
+
+def test_a_parser_whose_tags_detokenizing_drops_stops_the_server(
+    r1_checkpoint: tuple[Path, Forced], tmp_path: Path
+) -> None:
+    out_dir, _ = r1_checkpoint
+    special = tmp_path / "special_tags"
+    special.mkdir()
+    for f in out_dir.iterdir():
+        if f.name != "tokenizer.json":
+            (special / f.name).symlink_to(f)
+    texts = SPECIALS + TAGS + list(CHARS) + [f" w{i}" for i in range(NUM_WORDS)]
+    _write_tokenizer(special, texts, special_tags=True)
+    cmd = [
+        sys.executable, "-m", "tidal.cli_serve", "--host", "127.0.0.1", "--port", "0",
+        "--model", str(special), "--kv-cache-bytes", KV_BYTES, "--no-warmup",
+        "--reasoning-parser", "deepseek_r1",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "<think> is a special token" in proc.stderr
+    assert "listening on" not in proc.stdout

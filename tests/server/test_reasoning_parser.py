@@ -250,6 +250,25 @@ def test_tags_that_detokenizing_drops_are_refused_or_skipped() -> None:
     assert resolve_reasoning_parser("auto", tok) is None
 
 
+def test_the_parser_is_set_from_the_file_the_environment_or_the_flag(tmp_path: Path) -> None:
+    import argparse
+
+    from tidal.config.loader import add_cli_arguments, cli_overrides_from_args, load_config
+
+    assert load_config(None, {}, {}).server.reasoning_parser == "auto"
+    yaml_file = tmp_path / "tidal.yaml"
+    yaml_file.write_text("server:\n  reasoning_parser: qwen3\n")
+    assert load_config(str(yaml_file), {}, {}).server.reasoning_parser == "qwen3"
+    env = {"TIDAL_SERVER_REASONING_PARSER": "none"}
+    assert load_config(str(yaml_file), env, {}).server.reasoning_parser == "none"
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    flags = cli_overrides_from_args(parser.parse_args(["--reasoning-parser", "deepseek_r1"]))
+    assert load_config(str(yaml_file), env, flags).server.reasoning_parser == "deepseek_r1"
+    with pytest.raises(ValueError, match="server.reasoning_parser"):
+        load_config(None, {"TIDAL_SERVER_REASONING_PARSER": "r1"}, {})
+
+
 def test_a_bad_parser_name_is_refused_with_the_key_and_the_choices() -> None:
     with pytest.raises(ValueError, match="reasoning_parser.*deepseek_r1"):
         ServerConfig(reasoning_parser="r1")
