@@ -192,7 +192,10 @@ class ReasoningSplitter:
 
 def _tag_prefix_len(data: str, tag: str) -> int:
     """The length of the longest end of `data` that is a proper prefix of `tag`."""
-    for n in range(min(len(tag) - 1, len(data)), 0, -1):
+    longest = min(len(tag) - 1, len(data))
+    if tag[0] not in data[len(data) - longest :]:
+        return 0  # the common case: no "<" near the end
+    for n in range(longest, 0, -1):
         if tag.startswith(data[-n:]):
             return n
     return 0
