@@ -229,3 +229,23 @@ def test_a_parser_whose_tags_detokenizing_drops_stops_the_server(
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "<think> is a special token" in proc.stderr
     assert "listening on" not in proc.stdout
+
+
+def test_continuing_a_thought_starts_inside_it(r1_server) -> None:
+    # The assistant message being continued opened the block: the output is reasoning at once.
+    server, forced = r1_server
+    messages = [*USER, {"role": "assistant", "content": "<think>\nSo"}]
+    out = _client(server).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+        logit_bias=forced.bias, **PENALTIES,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )  # fmt: skip
+    prompt = "<｜begin▁of▁sentence｜><｜User｜>What is 2+2?<｜Assistant｜><think>\nSo"
+    raw = _client(server).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, logit_bias=forced.bias,
+        extra_body={"add_special_tokens": False}, **PENALTIES,
+    ).choices[0].text  # fmt: skip
+    reasoning, end, content = raw.partition("</think>")
+    msg = out.choices[0].message
+    assert msg.model_extra["reasoning_content"] == reasoning.lstrip()
+    assert msg.content == (content.lstrip() if end else None)
