@@ -146,31 +146,28 @@ def test_chat_returns_reasoning_apart_from_the_answer(r1_server) -> None:
 def test_a_stream_splits_the_same_way(r1_server) -> None:
     server, forced = r1_server
     stream = _chat(
-        server, forced, max_tokens=MAX_TOKENS, stream=True, logprobs=True, top_logprobs=2,
+        server, forced, max_tokens=MAX_TOKENS, n=2, stream=True, logprobs=True, top_logprobs=2,
         stream_options={"include_usage": True},
     )  # fmt: skip
     chunks = list(stream)
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    reasoning = [d.model_extra.get("reasoning_content") for d in deltas]
-    content = [d.content for d in deltas]
-    assert "".join(r for r in reasoning if r) == forced.reasoning
-    assert "".join(c for c in content if c) == forced.content
-    # Reasoning streams first, then content; no delta carries both.
-    assert not any(r and c for r, c in zip(reasoning, content, strict=True))
-    last_reasoning = max(i for i, r in enumerate(reasoning) if r)
-    assert all(not c for c in content[:last_reasoning])
-    # Logprobs stay one entry per token, reasoning tokens included.
-    entries = [
-        e
-        for c in chunks
-        if c.choices and c.choices[0].logprobs
-        for e in c.choices[0].logprobs.content
-    ]
-    assert len(entries) == MAX_TOKENS
-    assert "".join(e.token for e in entries) == forced.raw
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        reasoning = [ch.delta.model_extra.get("reasoning_content") for ch in mine]
+        content = [ch.delta.content for ch in mine]
+        assert "".join(r for r in reasoning if r) == forced.reasoning
+        assert "".join(c for c in content if c) == forced.content
+        # Reasoning streams first, then content; no delta carries both.
+        assert not any(r and c for r, c in zip(reasoning, content, strict=True))
+        last_reasoning = max(i for i, r in enumerate(reasoning) if r)
+        assert all(not c for c in content[:last_reasoning])
+        # Logprobs stay one entry per token, reasoning tokens and the end tag included.
+        entries = [e for ch in mine if ch.logprobs for e in ch.logprobs.content]
+        assert len(entries) == MAX_TOKENS
+        assert "".join(e.token for e in entries) == forced.raw
+        assert mine[-1].finish_reason == "length"
     usage = chunks[-1].usage
-    assert chunks[-1].choices == [] and usage.completion_tokens == MAX_TOKENS
-    assert usage.completion_tokens_details.reasoning_tokens == forced.num_reasoning
+    assert chunks[-1].choices == [] and usage.completion_tokens == 2 * MAX_TOKENS
+    assert usage.completion_tokens_details.reasoning_tokens == 2 * forced.num_reasoning
 
 
 def test_no_end_tag_is_all_reasoning(r1_server) -> None:
