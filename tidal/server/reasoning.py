@@ -314,9 +314,13 @@ class ChatReasoning:
         )
         return ChatReasoning(parser, parser.starts_in_reasoning(prefix), tokenizer.decode)
 
+    def split(self, text: str) -> ReasoningResult:
+        """A whole answer split; `content` is what a tool-call parser should read."""
+        return split_output(self.parser, text, self.in_reasoning)
+
     def message(self, text: str) -> ChatResponseMessage:
         """A whole answer as its response message: reasoning apart from content."""
-        out = split_output(self.parser, text, self.in_reasoning)
+        out = self.split(text)
         reasoning = out.reasoning_content
         return ChatResponseMessage(
             content=out.content, reasoning_content=reasoning, reasoning=reasoning
@@ -325,14 +329,20 @@ class ChatReasoning:
     def splitter(self) -> ReasoningSplitter:
         return self.parser.splitter(self.in_reasoning)
 
-    def deltas(self, splitter: ReasoningSplitter, text: str, finished: bool) -> list[DeltaMessage]:
-        """The stream deltas one piece of a choice's text makes: reasoning first, then content,
-        each in its own delta (clients that read one field per chunk see both); [] when all of
-        it is held back."""
+    @staticmethod
+    def feed(splitter: ReasoningSplitter, text: str, finished: bool) -> Split:
+        """One piece of a choice's stream split (held-back text flushed when it is the last)."""
         split = splitter.feed(text)
         if finished:
             last = splitter.finish()
             split = Split(split.reasoning + last.reasoning, split.content + last.content)
+        return split
+
+    def deltas(self, splitter: ReasoningSplitter, text: str, finished: bool) -> list[DeltaMessage]:
+        """The stream deltas one piece of a choice's text makes: reasoning first, then content,
+        each in its own delta (clients that read one field per chunk see both); [] when all of
+        it is held back."""
+        split = self.feed(splitter, text, finished)
         out = []
         if split.reasoning:
             out.append(DeltaMessage(reasoning_content=split.reasoning, reasoning=split.reasoning))
