@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
@@ -68,6 +69,7 @@ def serve(cfg: TidalConfig) -> int:
     from tidal.server.app import build_app
     from tidal.server.inputs import PromptLimits
     from tidal.server.metrics import ServerMetrics
+    from tidal.server.reasoning import resolve_reasoning_parser
     from tidal.server.state import ServerState
 
     # Bind first: a taken port fails before minutes of model loading, and port 0 is resolved.
@@ -84,6 +86,12 @@ def serve(cfg: TidalConfig) -> int:
             return 1
     else:
         engine, model_root, max_model_len, vocab_size = _in_thread_engine(cfg, metrics)
+    try:
+        reasoning = resolve_reasoning_parser(cfg.server.reasoning_parser, engine.tokenizer)
+    except ValueError as e:
+        print(f"tidal serve: {e}", file=sys.stderr)
+        asyncio.run(engine.shutdown())
+        return 2
     state = ServerState(
         engine=engine,
         config=cfg,
@@ -91,6 +99,7 @@ def serve(cfg: TidalConfig) -> int:
         served_name=cfg.engine.model.served_name(Path(model_root).stem),
         model_root=model_root,
         limits=PromptLimits.of(cfg.engine.limits, max_model_len, vocab_size),
+        reasoning=reasoning,
     )
     app = build_app(state)
     uv_config = uvicorn.Config(

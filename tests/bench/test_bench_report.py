@@ -114,6 +114,7 @@ def test_token_chunks() -> None:
     assert not _carries_token({"choices": [{"text": "", "finish_reason": "length"}]})
     assert not _carries_token({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
     assert _carries_token({"choices": [{"delta": {"content": "hi"}, "finish_reason": None}]})
+    assert _carries_token({"choices": [{"delta": {"reasoning_content": "hm", "reasoning": "hm"}}]})
     assert not _carries_token({"choices": [], "usage": {"completion_tokens": 3}})
 
 

@@ -85,9 +85,12 @@ def request_body(req: TraceRequest, opts: RequestOptions) -> tuple[str, dict[str
 def _carries_token(chunk: dict[str, Any]) -> bool:
     """Whether an SSE chunk holds output. Text counts; so does an empty text with no finish
     reason (a token that decodes to nothing yet, e.g. half a UTF-8 character), but not a chat
-    chunk that only announces the role, nor an empty closing chunk."""
+    chunk that only announces the role, nor an empty closing chunk. A reasoning model's thought
+    (`delta.reasoning_content`, streamed before its answer) is output too."""
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta")
+        if isinstance(delta, dict) and delta.get("reasoning_content"):
+            return True
         part = delta if isinstance(delta, dict) else choice
         key = "content" if isinstance(delta, dict) else "text"
         text = part.get(key)

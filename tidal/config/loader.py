@@ -41,7 +41,7 @@ from tidal.config.keys import (
 from tidal.config.limits import TRUNCATION_MODES, LimitsConfig
 from tidal.config.model import DTYPES, QUANTIZATIONS, ModelConfig
 from tidal.config.scheduler import SchedulerConfig
-from tidal.config.server import ServerConfig
+from tidal.config.server import REASONING_PARSERS, ServerConfig
 
 # The seed's fastgpt_config.yaml nests its sections under this key (see key_docs.SEED_KEYS).
 SEED_WRAPPER = "optimization"
@@ -229,6 +229,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "memory.kv_cache_dtype": KV_CACHE_DTYPES,
     "hardware.dtype": DTYPES,
     "limits.truncation": TRUNCATION_MODES,
+    "server.reasoning_parser": REASONING_PARSERS,
 }
 
 

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from tidal.config._check import check
 from tidal.sampling_params import MAX_N
 
+# How chat completions split a model's reasoning from its answer (tidal/server/reasoning.py holds
+# the parsers): "auto" picks one from the chat template, "none" returns the text as content.
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
+
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
@@ -45,6 +49,10 @@ class ServerConfig:
     # While a streamed request waits in the queue, send an SSE comment this often so clients and
     # proxies do not time the connection out; 0 sends none (the first byte waits for a token).
     sse_keepalive_s: float = 10.0
+    # Split <think>...</think> out of chat completions into `reasoning_content`: one of
+    # REASONING_PARSERS; "auto" picks deepseek_r1 or qwen3 when the chat template names a think
+    # tag.
+    reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
         # A list from YAML or JSON becomes a tuple so the config stays hashable and immutable.
@@ -109,6 +117,12 @@ class ServerConfig:
         for name in ("stream_interval_ms", "sse_keepalive_s"):
             value = getattr(self, name)
             check(value >= 0, name, value, "a number >= 0 (0 turns it off)")
+        check(
+            self.reasoning_parser in REASONING_PARSERS,
+            "reasoning_parser",
+            self.reasoning_parser,
+            f"one of {', '.join(REASONING_PARSERS)}",
+        )
         check(
             self.engine_restart_window_s > 0,
             "engine_restart_window_s",

@@ -87,16 +87,63 @@ _MISTRAL = """\
 {%- endfor -%}
 """
 
+# DeepSeek R1 (and its Qwen/Llama distills): every system message first, joined by a blank line;
+# an earlier answer keeps only what follows its last </think> (the reasoning is not replayed); the
+# generation prompt opens the reasoning block, so the model's output starts inside it. Tool calls
+# and their outputs use DeepSeek's tool tokens; after tool outputs the turn goes on unprompted.
+_DEEPSEEK_R1 = """\
+{%- set ns = namespace(system='', in_tool=false) -%}
+{%- for m in messages if m.role == 'system' -%}
+    {%- set ns.system = ns.system ~ ('\\n\\n' if not loop.first else '') ~ m.content -%}
+{%- endfor -%}
+{{- bos_token ~ ns.system -}}
+{%- for m in messages if m.role != 'system' -%}
+    {%- if m.role == 'tool' -%}
+        {{- ('\\n' if ns.in_tool else '<｜tool▁outputs▁begin｜>') -}}
+        {{- '<｜tool▁output▁begin｜>' ~ m.content ~ '<｜tool▁output▁end｜>' -}}
+        {%- set ns.in_tool = true -%}
+    {%- else -%}
+        {%- if ns.in_tool -%}
+            {{- '<｜tool▁outputs▁end｜>' -}}
+        {%- endif -%}
+        {%- if m.role == 'user' -%}
+            {{- '<｜User｜>' ~ m.content -}}
+        {%- else -%}
+            {%- set answer = (m.content or '').split('</think>')[-1] -%}
+            {{- ('' if ns.in_tool else '<｜Assistant｜>') ~ answer -}}
+            {%- if m.tool_calls -%}
+                {{- '<｜tool▁calls▁begin｜>' -}}
+                {%- for call in m.tool_calls -%}
+                    {%- set f = call.function -%}
+                    {%- set args = f.arguments if f.arguments is string else f.arguments | tojson -%}
+                    {{- ('\\n' if not loop.first else '') ~ '<｜tool▁call▁begin｜>' ~ (call.type or 'function') -}}
+                    {{- '<｜tool▁sep｜>' ~ f.name ~ '\\n```json\\n' ~ args ~ '\\n```<｜tool▁call▁end｜>' -}}
+                {%- endfor -%}
+                {{- '<｜tool▁calls▁end｜>' -}}
+            {%- endif -%}
+            {{- '<｜end▁of▁sentence｜>' -}}
+        {%- endif -%}
+        {%- set ns.in_tool = false -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if ns.in_tool -%}
+    {{- '<｜tool▁outputs▁end｜>' -}}
+{%- elif add_generation_prompt -%}
+    {{- '<｜Assistant｜><think>\\n' -}}
+{%- endif -%}
+"""
+
 BUILTIN_TEMPLATES: dict[str, str] = {
     "gemma": _GEMMA,
     "chatml": _CHATML,
     "llama3": _LLAMA3,
     "mistral": _MISTRAL,
+    "deepseek_r1": _DEEPSEEK_R1,
 }
 
 
 def builtin_chat_template(family: str) -> str:
-    """The built-in template for a chat family ("gemma", "chatml", "llama3", "mistral")."""
+    """The built-in template for a chat family ("gemma", "chatml", "llama3", "mistral", "deepseek_r1")."""
     template = BUILTIN_TEMPLATES.get(family)
     if template is None:
         raise ValueError(

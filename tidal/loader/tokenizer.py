@@ -25,6 +25,7 @@ END_OF_TURN_TOKENS: dict[str, tuple[str, ...]] = {
     "chatml": ("<|im_end|>", "<|endoftext|>"),
     "llama3": ("<|eot_id|>", "<|eom_id|>", "<|end_of_text|>"),
     "mistral": (),
+    "deepseek_r1": ("<｜end▁of▁sentence｜>",),
 }
 _FAMILY_ALIASES: dict[str, str] = {
     "gemma": "gemma",
@@ -35,12 +36,16 @@ _FAMILY_ALIASES: dict[str, str] = {
     "qwen": "chatml",
     "qwen2": "chatml",
     "qwen3": "chatml",
+    "qwen3_moe": "chatml",
     "llama3": "llama3",
     "mistral": "mistral",
+    "mixtral": "mistral",
+    "deepseek_r1": "deepseek_r1",
 }
 
-# Model families whose checkpoints use several chat formats: the vocabulary tells which.
-_VOCAB_DECIDES = frozenset({"llama"})
+# Model families whose checkpoints use several chat formats: the vocabulary tells which (DeepSeek
+# V2/V3 checkpoints are R1 when they carry its think tags; V2 and V3 chat have no built-in).
+_VOCAB_DECIDES = frozenset({"llama", "deepseek_v2", "deepseek_v3"})
 
 
 class Tokenizer:
@@ -167,8 +172,9 @@ class Tokenizer:
 def load_tokenizer(path: str | os.PathLike[str], family: str | None = None) -> Tokenizer:
     """Load the tokenizer of a checkpoint: a `.gguf` file or a HF directory with tokenizer.json.
 
-    `family` ("gemma", "chatml", "llama3", "mistral", or a model type such as "qwen2") picks the
-    end-of-turn tokens and the built-in chat template; by default it is guessed from the checkpoint.
+    `family` ("gemma", "chatml", "llama3", "mistral", "deepseek_r1", or a model type such as
+    "qwen2") picks the end-of-turn tokens and the built-in chat template; by default it is guessed
+    from the checkpoint.
     """
     p = Path(path)
     if p.is_dir() or p.is_file():
@@ -259,12 +265,17 @@ def _hf_chat_template(root: Path, tcfg: dict[str, Any]) -> str | None:
 
 
 def _resolve_family(family: str | None, model_type: str, hf: tokenizers.Tokenizer) -> str | None:
+    if family is not None and family.lower() not in {*_FAMILY_ALIASES, *_VOCAB_DECIDES}:
+        accepted = sorted({*_FAMILY_ALIASES, *_VOCAB_DECIDES})
+        raise ValueError(f"family is {family!r}; accepted: {accepted}")
+    # DeepSeek R1 and its distills (Qwen2 or Llama architectures) keep DeepSeek's chat tokens and
+    # think tags whatever the architecture: the vocabulary decides before a model type does (only
+    # a chat family named outright wins over it).
+    if family is None or family.lower() not in END_OF_TURN_TOKENS:
+        if hf.token_to_id("<｜Assistant｜>") is not None and hf.token_to_id("</think>") is not None:
+            return "deepseek_r1"
     if family is not None and family.lower() not in _VOCAB_DECIDES:
-        resolved = _FAMILY_ALIASES.get(family.lower())
-        if resolved is None:
-            accepted = sorted({*_FAMILY_ALIASES, *_VOCAB_DECIDES})
-            raise ValueError(f"family is {family!r}; accepted: {accepted}")
-        return resolved
+        return _FAMILY_ALIASES[family.lower()]
     resolved = _FAMILY_ALIASES.get(model_type.lower())
     if resolved is not None:
         return resolved

@@ -37,11 +37,17 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0  # output tokens inside the think block (tags not counted)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    # Chat completions with a reasoning parser (server.reasoning_parser) only.
+    completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
     def of(
@@ -122,6 +128,10 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    # The think block (server.reasoning_parser), under DeepSeek's name, which SGLang and most
+    # clients read, and under vLLM's newer one; both null when the model has no reasoning parser.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -146,6 +156,9 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # New think-block text (server.reasoning_parser), under both names as in ChatResponseMessage.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_nulls(self, handler: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from tidal.server.guards import admit
 from tidal.server.inputs import chat_input, check_logit_bias, check_max_tokens, check_request_size
 from tidal.server.logprobs import chat_logprobs
 from tidal.server.protocol import ChatCompletionRequest, parse_request
+from tidal.server.reasoning import ChatReasoning, ReasoningSplitter
 from tidal.server.responses import (
     ChatCompletionChoice,
     ChatCompletionResponse,
@@ -32,6 +33,7 @@ from tidal.server.responses import (
     ChatCompletionStreamResponse,
     ChatResponseMessage,
     DeltaMessage,
+    UsageInfo,
     random_id,
 )
 from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_event, sse_event
@@ -58,6 +60,7 @@ async def create_chat_completion(request: Request) -> Response:
         ),
     )
     num_top = params.logprobs  # None unless logprobs is true
+    reasoning = ChatReasoning.of(state.reasoning, req, state.tokenizer)
     if req.stream:
         server = state.config.server
         outs = job.outputs(server.stream_interval_ms / 1000)
@@ -66,7 +69,9 @@ async def create_chat_completion(request: Request) -> Response:
         body = await open_stream(
             outs,
             server.sse_keepalive_s,
-            lambda first: _stream(job, first, outs, num_top, req.include_usage, continuous),
+            lambda first: _stream(
+                job, first, outs, num_top, req.include_usage, continuous, reasoning
+            ),
         )
         return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     choices, _, usage = await until_disconnect(request, collect(job))
@@ -74,7 +79,9 @@ async def create_chat_completion(request: Request) -> Response:
     out_choices = [
         ChatCompletionChoice(
             index=idx,
-            message=ChatResponseMessage(content="".join(ch.text)),
+            message=ChatResponseMessage(content="".join(ch.text))
+            if reasoning is None
+            else reasoning.message("".join(ch.text)),
             logprobs=None
             if num_top is None
             else chat_logprobs(ch.token_ids, ch.logprobs, num_top, tok),
@@ -82,8 +89,13 @@ async def create_chat_completion(request: Request) -> Response:
         )
         for idx, ch in sorted(choices.items())
     ]
+    usage_info = usage.usage()
+    if reasoning is not None:
+        usage_info.completion_tokens_details = reasoning.details(
+            ch.token_ids for ch in choices.values()
+        )
     body = ChatCompletionResponse(
-        id=job.request_id, model=state.served_name, choices=out_choices, usage=usage.usage()
+        id=job.request_id, model=state.served_name, choices=out_choices, usage=usage_info
     )
     return Response(body.model_dump_json(), media_type="application/json")
 
@@ -95,15 +107,25 @@ async def _stream(
     num_top: int | None,
     include_usage: bool,
     continuous_usage: bool,
+    reasoning: ChatReasoning | None,
 ) -> AsyncIterator[bytes]:
     state = job.state
     tok = state.tokenizer
     head = {"id": job.request_id, "created": int(time.time()), "model": state.served_name}
     choices: dict[int, ChoiceState] = {}
     usage = UsageCounter()
+    splitters: dict[int, ReasoningSplitter] = {}  # per choice, with a reasoning parser
+
+    def usage_now() -> UsageInfo:
+        info = usage.usage()
+        if reasoning is not None:
+            info.completion_tokens_details = reasoning.details(
+                ch.token_ids for ch in choices.values()
+            )
+        return info
 
     def chunk(choice: ChatCompletionStreamChoice) -> bytes:
-        extra = {"usage": usage.usage()} if continuous_usage else {}
+        extra = {"usage": usage_now()} if continuous_usage else {}
         return sse_event(ChatCompletionStreamResponse(**head, choices=[choice], **extra))
 
     async def all_outputs() -> AsyncIterator[tuple]:
@@ -114,6 +136,9 @@ async def _stream(
     try:
         async for _, out in all_outputs():
             usage.add(0, out)
+            if reasoning is not None:  # the ids usage counted, for its reasoning tokens
+                for c in out.outputs:
+                    choices.setdefault(c.index, ChoiceState()).token_ids.extend(c.token_ids)
             for c in out.outputs:
                 ch = choices.setdefault(c.index, ChoiceState())
                 if ch.finish_reason is not None:
@@ -129,19 +154,26 @@ async def _stream(
                         )
                     )
                 ch.finish_reason = c.finish_reason
-                if not c.text and c.finish_reason is None and (num_top is None or not c.token_ids):
-                    continue  # nothing to show yet (text held back at a possible stop string)
+                if reasoning is None:
+                    deltas = [DeltaMessage(content=c.text)] if c.text else []
+                else:
+                    splitter = splitters.setdefault(c.index, reasoning.splitter())
+                    deltas = reasoning.deltas(splitter, c.text, c.finish_reason is not None)
+                if not deltas and c.finish_reason is None and (num_top is None or not c.token_ids):
+                    continue  # nothing to show yet (text held back at a stop string or a tag)
                 lp = None
                 if num_top is not None and c.token_ids:
                     lp = chat_logprobs(c.token_ids, c.logprobs or [], num_top, tok)
-                delta = DeltaMessage(content=c.text) if c.text else DeltaMessage()
+                *before, last = deltas or [DeltaMessage()]
+                for delta in before:  # reasoning ahead of content in the same piece
+                    yield chunk(ChatCompletionStreamChoice(index=c.index, delta=delta))
                 yield chunk(
                     ChatCompletionStreamChoice(
-                        index=c.index, delta=delta, logprobs=lp, finish_reason=c.finish_reason
+                        index=c.index, delta=last, logprobs=lp, finish_reason=c.finish_reason
                     )
                 )
         if include_usage:
-            yield sse_event(ChatCompletionStreamResponse(**head, choices=[], usage=usage.usage()))
+            yield sse_event(ChatCompletionStreamResponse(**head, choices=[], usage=usage_now()))
         yield SSE_DONE
     except APIError as e:
         yield sse_error_event(e)

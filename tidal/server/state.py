@@ -8,6 +8,7 @@ from tidal.client.engine_client import EngineClient
 from tidal.config.engine import TidalConfig
 from tidal.server.inputs import PromptLimits
 from tidal.server.metrics import ServerMetrics
+from tidal.server.reasoning import ReasoningParser
 
 
 @dataclass(slots=True)
@@ -18,6 +19,7 @@ class ServerState:
     served_name: str  # the model id clients must send (or omit)
     model_root: str  # where the checkpoint was loaded from, shown in /v1/models
     limits: PromptLimits
+    reasoning: ReasoningParser | None = None  # server.reasoning_parser, resolved for this model
     warm: bool = False  # warm-up done: /ready may answer 200
     warmup_failures: int = 0  # failed warm-up attempts so far (each retried with backoff)
     warmup_error: str | None = None  # the last failure, shown in /health while retrying
