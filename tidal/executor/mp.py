@@ -61,6 +61,7 @@ class TensorParallelGroup:
             proc.stdin.close()
             self.workers.append(proc)
         for rank, proc in enumerate(self.workers, start=1):
+            log.info("tensor-parallel rank %d/%d started: pid %d", rank, spec.world_size, proc.pid)
             threading.Thread(
                 target=self._watch, args=(rank, proc), name=f"tidal-rank-{rank}", daemon=True
             ).start()
