@@ -156,12 +156,12 @@ def _start_group(
         threads=threads_per_rank(hw.threads, hw.tensor_parallel),
     )
     if hw.distributed_executor_backend == "ray":
-        from tidal.executor.ray import RayGroup
+        from tidal.executor.ray_group import RayGroup
 
         return RayGroup(spec, on_lost)
-    from tidal.executor.mp import TensorParallelGroup
+    from tidal.executor.mp import LocalProcessGroup
 
-    return TensorParallelGroup(spec, on_lost)
+    return LocalProcessGroup(spec, on_lost)
 
 
 def check_quantization(

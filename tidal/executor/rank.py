@@ -101,7 +101,9 @@ def load_rank(spec: RankSpec, groups: Groups) -> LoadedModel:
         quantize_model(loaded.model, spec.scheme)
     assert loaded.shard is not None
     parallelize(loaded.model, loaded.shard, groups.compute)
-    log.info("rank %d/%d loaded its shard in %.2f s", spec.rank, spec.world_size, loaded.load_time_s)
+    log.info(
+        "rank %d/%d loaded its shard in %.2f s", spec.rank, spec.world_size, loaded.load_time_s
+    )
     return loaded
 
 

@@ -127,7 +127,9 @@ class ShardPlan:
             return TensorSlice(0, r * inter, (r + 1) * inter)
         if kind == "bias":
             # A row-parallel bias would be added N times by the all-reduce.
-            raise ValueError(f"{KEY}={self.world_size}: {name} (a row-parallel bias) is not supported")
+            raise ValueError(
+                f"{KEY}={self.world_size}: {name} (a row-parallel bias) is not supported"
+            )
         if proj == "o_proj":
             return TensorSlice(1, r * q_rows, (r + 1) * q_rows)
         if proj == "down_proj":

@@ -1,0 +1,41 @@
+"""The ray backend: ranks as Ray actors in a placement group on a local Ray cluster give the
+same outputs as one process; a group the cluster cannot place fails with a clear error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.engine.tiny import make_tiny_model_dir
+from tests.executor.test_tp_engine import _generate
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tp-ray"), "gemma3")
+
+
+def test_ray_ranks_match_one_process(cluster, gemma: Path) -> None:
+    ref = _generate(gemma)
+    got = _generate(gemma, tensor_parallel_size=2, distributed_executor_backend="ray")
+    assert [ids for ids, _, _ in got] == [ids for ids, _, _ in ref]
+
+
+def test_a_group_the_cluster_cannot_place_is_refused(cluster, gemma: Path) -> None:
+    from tidal import LLM
+
+    with pytest.raises(
+        ValueError,
+        match=r"^hardware\.tensor_parallel=4 with the ray backend: .*could not place 4 bundles",
+    ):
+        LLM(str(gemma), tensor_parallel_size=4, distributed_executor_backend="ray")
