@@ -50,3 +50,13 @@ def test_engine_with_two_ranks_matches_one(gemma: Path) -> None:
 def test_a_degree_the_model_cannot_split_is_refused(gemma: Path) -> None:
     with pytest.raises(ValueError, match=r"^hardware\.tensor_parallel=3 is invalid.*4 attention"):
         LLM(str(gemma), tensor_parallel_size=3)
+
+
+def test_the_ray_backend_without_ray_is_refused(
+    gemma: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
+    with pytest.raises(ValueError, match=r"distributed_executor_backend='ray' needs Ray: pip"):
+        LLM(str(gemma), tensor_parallel_size=2, distributed_executor_backend="ray")

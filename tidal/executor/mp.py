@@ -23,6 +23,9 @@ class LocalProcessGroup(RankGroup):
     def __init__(self, spec: RankSpec, on_lost: Callable[[str], None] | None = None) -> None:
         if spec.master_port == 0:
             spec = replace(spec, master_port=free_port(spec.master_addr))
+        spec = replace(
+            spec, die_with_parent_thread=threading.current_thread() is threading.main_thread()
+        )
         super().__init__(spec, on_lost)
         self.workers: list[subprocess.Popen] = []
         for rank in range(1, spec.world_size):

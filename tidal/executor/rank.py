@@ -39,6 +39,9 @@ class RankSpec:
     master_addr: str = "127.0.0.1"
     threads: int = 1  # torch (and kernel) threads of this rank
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S
+    # End a local worker when the thread that started it ends (PR_SET_PDEATHSIG); only set when
+    # that thread is the main thread, which lives as long as the process.
+    die_with_parent_thread: bool = False
 
     def for_rank(self, rank: int) -> RankSpec:
         from dataclasses import replace

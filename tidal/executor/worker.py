@@ -42,15 +42,16 @@ def serve_steps(runner, groups: Groups, spec: RankSpec) -> None:
         runner.forward(unpack_step(msg))
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def _die_with_parent(parent_pid: int, signal_too: bool) -> None:
     """The engine process (rank 0) owns this rank: end with it, even when it is SIGKILLed."""
-    try:
-        import ctypes
+    if signal_too:
+        try:
+            import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
 
     def watch() -> None:  # where prctl is missing, and for a parent gone before prctl ran
         while os.getppid() == parent_pid:
@@ -62,7 +63,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 def main() -> None:
     spec: RankSpec = pickle.load(sys.stdin.buffer)
-    _die_with_parent(os.getppid())
+    _die_with_parent(os.getppid(), spec.die_with_parent_thread)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s %(name)s[rank {spec.rank}]: %(message)s",
