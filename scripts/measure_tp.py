@@ -22,7 +22,6 @@ import time
 
 import psutil
 
-
 # A small KV pool, so the RSS figures are mostly weights (the pool is zero-filled, so resident).
 KV_BYTES = 32 << 20
 
