@@ -60,3 +60,23 @@ def test_the_ray_backend_without_ray_is_refused(
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now raises ImportError
     with pytest.raises(ValueError, match=r"distributed_executor_backend='ray' needs Ray: pip"):
         LLM(str(gemma), tensor_parallel_size=2, distributed_executor_backend="ray")
+
+
+def test_a_hung_rank_loses_the_group_within_the_timeout(
+    gemma: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tidal.executor.errors import GroupLost
+
+    monkeypatch.setenv("TIDAL_RANK_FAULT", "hang_on_step=3")  # read by the worker rank only
+    llm = LLM(str(gemma), tensor_parallel_size=2, collective_timeout_s=3, kv_cache_bytes=1 << 22,
+              max_num_seqs=4, max_num_batched_tokens=24)  # fmt: skip
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        with pytest.raises(GroupLost, match=r"a step failed on rank 0"):
+            llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        with pytest.raises(GroupLost):  # the group stays lost: no step runs on a broken group
+            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)
+    finally:
+        llm.shutdown()
+    worker = llm.engine.runner.group.workers[0]
+    assert worker.poll() is not None  # the hung rank was ended, not left behind

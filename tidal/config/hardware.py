@@ -25,6 +25,9 @@ class HardwareConfig:
     tensor_parallel: int = 1
     # Where ranks 1..N-1 live: "mp" (local processes) or "ray" (Ray actors, several machines).
     distributed_executor_backend: str = "mp"
+    # A tensor-parallel collective that waits longer fails the group (a hung or unreachable
+    # rank), which the supervisor then restarts whole.
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         check(
@@ -47,6 +50,14 @@ class HardwareConfig:
             "tensor_parallel",
             self.tensor_parallel,
             "an integer >= 1",
+        )
+        check(
+            isinstance(self.collective_timeout_s, (int, float))
+            and not isinstance(self.collective_timeout_s, bool)
+            and self.collective_timeout_s > 0,
+            "collective_timeout_s",
+            self.collective_timeout_s,
+            "a positive number of seconds",
         )
         check(
             self.distributed_executor_backend in EXECUTOR_BACKENDS,

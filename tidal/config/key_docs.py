@@ -162,6 +162,11 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "placement group, several machines; needs the ray extra)",
         "--distributed-executor-backend",
     ),
+    "hardware.collective_timeout_s": KeyDoc(
+        "seconds a tensor-parallel collective may wait for a rank before the group is lost "
+        "and restarted (a hung or unreachable rank)",
+        "--collective-timeout-s",
+    ),
     # ---- limits
     "limits.max_input_tokens": KeyDoc(
         "longest prompt accepted; null: the context limit", "--max-input-tokens", 3072

@@ -154,6 +154,7 @@ def _start_group(
         world_size=hw.tensor_parallel,
         master_port=0,
         threads=threads_per_rank(hw.threads, hw.tensor_parallel),
+        collective_timeout_s=float(hw.collective_timeout_s),
     )
     if hw.distributed_executor_backend == "ray":
         from tidal.executor.ray_group import RayGroup

@@ -57,6 +57,8 @@ class LocalProcessGroup(RankGroup):
     def _stop_ranks(self) -> None:
         self._closing = True
         for proc in self.workers:
+            if self.lost is not None:  # a lost group's ranks may be stuck: no point waiting
+                proc.kill()
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:

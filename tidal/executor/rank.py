@@ -18,9 +18,12 @@ from tidal.loader.model_loader import LoadedModel
 
 log = logging.getLogger(__name__)
 
-# A collective that waits longer than this raises on the ranks still in it: a rank that hangs
-# mid-step cannot hang the group forever (rank 0 then exits and the supervisor restarts all).
+# A collective that waits longer than this (hardware.collective_timeout_s) raises on the ranks
+# still in it: a rank that hangs mid-step cannot hang the group forever (rank 0 then exits and
+# the supervisor restarts all).
 COLLECTIVE_TIMEOUT_S = 60.0
+# How long rank 0 waits for every rank to join the group.
+START_TIMEOUT_S = 600.0
 # Workers wait for the next step on a separate group with no practical limit (an idle server).
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -79,10 +82,14 @@ def join_group(spec: RankSpec) -> Groups:
         init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
         rank=spec.rank,
         world_size=spec.world_size,
-        timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
+        # Ranks start at their own pace (importing torch, loading): the rendezvous waits long.
+        timeout=datetime.timedelta(seconds=START_TIMEOUT_S),
+    )
+    compute = dist.new_group(
+        backend=backend, timeout=datetime.timedelta(seconds=spec.collective_timeout_s)
     )
     control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=IDLE_TIMEOUT_S))
-    return Groups(dist.group.WORLD, control)  # type: ignore[arg-type]
+    return Groups(compute, control)
 
 
 def load_rank(spec: RankSpec, groups: Groups) -> LoadedModel:

@@ -20,6 +20,9 @@ from tidal.executor.step_message import unpack_step
 log = logging.getLogger("tidal.executor.worker")
 
 STEP, STOP = 1, 2
+# Fault injection (tests only, off by default): "hang_on_step=N" blocks a worker rank forever
+# once it has received its N-th step, as a rank stuck mid-collective would.
+FAULT_ENV = "TIDAL_RANK_FAULT"
 
 
 def payload_group(groups: Groups, spec: RankSpec) -> dist.ProcessGroup:
@@ -28,10 +31,22 @@ def payload_group(groups: Groups, spec: RankSpec) -> dist.ProcessGroup:
     return groups.control if spec.device == "cuda" else groups.compute
 
 
+def hang_step(spec: str | None) -> int | None:
+    """The step a worker hangs at under TIDAL_RANK_FAULT="hang_on_step=N" (tests only)."""
+    if not spec:
+        return None
+    name, _, arg = spec.partition("=")
+    if name != "hang_on_step" or not arg.isdigit():
+        raise ValueError(f"{FAULT_ENV}={spec!r} is invalid: expected 'hang_on_step=<N>'")
+    return int(arg)
+
+
 def serve_steps(runner, groups: Groups, spec: RankSpec) -> None:
     """Run rank 0's steps until STOP. `runner` is this rank's tidal.worker.ModelRunner."""
     header = torch.zeros(2, dtype=torch.long)  # (kind, payload length)
     ship = payload_group(groups, spec)
+    hang_at = hang_step(os.environ.get(FAULT_ENV))
+    steps = 0
     while True:
         dist.broadcast(header, src=0, group=groups.control)
         kind, length = header.tolist()
@@ -39,6 +54,10 @@ def serve_steps(runner, groups: Groups, spec: RankSpec) -> None:
             return
         msg = torch.empty(length, dtype=torch.long)
         dist.broadcast(msg, src=0, group=ship)
+        steps += 1
+        if steps == hang_at:
+            log.warning("fault injection: this rank hangs at step %d", steps)
+            threading.Event().wait()
         runner.forward(unpack_step(msg))
 
 
