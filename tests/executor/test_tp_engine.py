@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.tiny import make_tiny_model_dir
 from tidal import LLM, SamplingParams
 
 PROMPTS = [list(range(3, 40)), list(range(3, 30)) + [9, 2], [5, 17, 33]]
@@ -31,13 +30,8 @@ def _generate(path: Path, **kwargs) -> list[tuple]:
     return got
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tp-engine"), "gemma3")
-
-
-def test_engine_with_two_ranks_matches_one(gemma: Path) -> None:
-    ref = _generate(gemma)
+def test_engine_with_two_ranks_matches_one(gemma: Path, reference: list[tuple]) -> None:
+    ref = reference
     got = _generate(gemma, tensor_parallel_size=2)
     for (ids, lps, plps), (ref_ids, ref_lps, ref_plps) in zip(got, ref, strict=True):
         assert ids == ref_ids

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine.tiny import make_tiny_model_dir
 from tests.executor.test_tp_engine import _generate
 
 ray = pytest.importorskip("ray")
@@ -20,13 +19,8 @@ def cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tp-ray"), "gemma3")
-
-
-def test_ray_ranks_match_one_process(cluster, gemma: Path) -> None:
-    ref = _generate(gemma)
+def test_ray_ranks_match_one_process(cluster, gemma: Path, reference: list[tuple]) -> None:
+    ref = reference
     got = _generate(gemma, tensor_parallel_size=2, distributed_executor_backend="ray")
     assert [ids for ids, _, _ in got] == [ids for ids, _, _ in ref]
 
