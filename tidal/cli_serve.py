@@ -141,6 +141,13 @@ def _in_thread_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model roo
     from tidal.client.in_thread import InThreadEngineClient
     from tidal.engine.builder import build_engine
 
+    if cfg.engine.hardware.tensor_parallel > 1:
+        # NOTE: a lost rank ends the engine; only a supervised engine process is restarted.
+        raise ValueError(
+            f"hardware.tensor_parallel={cfg.engine.hardware.tensor_parallel} is invalid with "
+            "server.engine_process false: tensor-parallel ranks run under the supervised engine "
+            "process; set server.engine_process true"
+        )
     core = build_engine(cfg.engine, progress=log.info)
     metrics.model_load.set(core.loaded.load_time_s)
     if core.loaded.device.type == "cuda":

@@ -1,5 +1,5 @@
 """The seed's fastgpt_config.yaml layout loads: `optimization:` wrapper, dynamic_window, attention_cache;
-settings tidal cannot honour (checkpoint_interval, tensor_parallel > 1) are refused with the reason."""
+settings tidal cannot honour (checkpoint_interval, tensor_parallel < 1) are refused with the reason."""
 
 from __future__ import annotations
 
@@ -66,8 +66,8 @@ def test_seed_names_work_outside_the_wrapper_and_mix_with_tidal_keys(tmp_path: P
     [
         (SEED_BLOCK.replace("attention_cache: true\n", "attention_cache: true\n    checkpoint_interval: 4\n"),
          r"^memory\.checkpoint_interval is not supported \(from .*\): it is gradient checkpointing, a training setting.*no meaning for serving; remove it$"),
-        (SEED_BLOCK.replace("tensor_parallel: 1", "tensor_parallel: 2"),
-         r"^hardware\.tensor_parallel=2 is invalid: expected 1 \(tensor parallelism is not supported yet"),
+        (SEED_BLOCK.replace("tensor_parallel: 1", "tensor_parallel: 0"),
+         r"^hardware\.tensor_parallel=0 is invalid: expected an integer >= 1"),
         ("optimization: {batching: {dynamic_window: soon}}\n",
          r"^batching\.dynamic_window='soon' is invalid: expected milliseconds"),
         ("optimization: {batching: {dynamic_window: -5}}\n", r"^batching\.dynamic_window=-5 is invalid"),
@@ -93,13 +93,15 @@ def test_refused_keys_are_refused_from_every_layer() -> None:
         load_config(None, {"TIDAL_MEMORY_CHECKPOINT_INTERVAL": "4"}, {})
     with pytest.raises(
         ValueError,
-        match=r"^hardware\.tensor_parallel=4 is invalid.*\(from flag --tensor-parallel\)$",
+        match=r"^hardware\.tensor_parallel=0 is invalid.*\(from flag --tensor-parallel\)$",
     ):
-        load_config(None, {}, {"hardware.tensor_parallel": 4})
+        load_config(None, {}, {"hardware.tensor_parallel": 0})
     with pytest.raises(
-        ValueError, match=r"^hardware\.tensor_parallel=2 is invalid.*\(from environment"
+        ValueError, match=r"^hardware\.distributed_executor_backend='mpi' is invalid.*\(from environment"
     ):
-        load_config(None, {"TIDAL_HARDWARE_TENSOR_PARALLEL": "2"}, {})
+        load_config(None, {"TIDAL_HARDWARE_DISTRIBUTED_EXECUTOR_BACKEND": "mpi"}, {})
+    tp = load_config(None, {"TIDAL_HARDWARE_TENSOR_PARALLEL": "2"}, {})
+    assert tp.engine.hardware.tensor_parallel == 2
 
 
 def test_the_seed_example_in_the_docs_loads(tmp_path: Path) -> None:

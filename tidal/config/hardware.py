@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from tidal.config._check import check
 from tidal.config.model import DTYPES
 
+EXECUTOR_BACKENDS = ("mp", "ray")
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -19,9 +20,14 @@ class HardwareConfig:
     dtype: str = "auto"
     # torch intra-op threads on CPU; None leaves torch's default.
     threads: int | None = None
-    # Devices one model is split across. Only 1 runs today: tensor parallelism is not built yet,
-    # so a larger value is refused rather than silently served from one device.
+    # Ranks one model is split across (tensor parallelism, tidal.executor): processes on CPU,
+    # one per GPU on CUDA. It must divide the model's attention heads (checked at load).
     tensor_parallel: int = 1
+    # Where ranks 1..N-1 live: "mp" (local processes) or "ray" (Ray actors, several machines).
+    distributed_executor_backend: str = "mp"
+    # A tensor-parallel collective that waits longer fails the group (a hung or unreachable
+    # rank), which the supervisor then restarts whole.
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         check(
@@ -38,10 +44,26 @@ class HardwareConfig:
             "an integer >= 1 or None",
         )
         check(
-            self.tensor_parallel == 1,
+            isinstance(self.tensor_parallel, int)
+            and not isinstance(self.tensor_parallel, bool)
+            and self.tensor_parallel >= 1,
             "tensor_parallel",
             self.tensor_parallel,
-            "1 (tensor parallelism is not supported yet: a model runs on one device)",
+            "an integer >= 1",
+        )
+        check(
+            isinstance(self.collective_timeout_s, (int, float))
+            and not isinstance(self.collective_timeout_s, bool)
+            and self.collective_timeout_s > 0,
+            "collective_timeout_s",
+            self.collective_timeout_s,
+            "a positive number of seconds",
+        )
+        check(
+            self.distributed_executor_backend in EXECUTOR_BACKENDS,
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            f"one of {', '.join(EXECUTOR_BACKENDS)}",
         )
 
     def resolve_device(self, cuda_available: bool) -> str:

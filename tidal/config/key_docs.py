@@ -154,11 +154,24 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "auto (cuda when visible, else cpu), cpu, cuda or cuda:N", "--device"
     ),
     "hardware.dtype": KeyDoc("compute dtype: auto, float32, bfloat16 or float16", "--dtype"),
-    "hardware.threads": KeyDoc("torch CPU threads; null: torch's default", "--threads"),
+    "hardware.threads": KeyDoc(
+        "torch CPU threads (split between tensor-parallel ranks); null: torch's default",
+        "--threads",
+    ),
     "hardware.tensor_parallel": KeyDoc(
-        "devices one model is split across; only 1 (tensor parallelism is not supported yet, "
-        "a larger value is refused)",
+        "ranks one model is split across (tensor parallel; processes on CPU, one GPU each on "
+        "CUDA); it must divide the attention heads; CPU threads are split between ranks",
         "--tensor-parallel",
+    ),
+    "hardware.distributed_executor_backend": KeyDoc(
+        "where tensor-parallel ranks run: mp (local processes) or ray (Ray actors in a "
+        "placement group, several machines; needs the ray extra)",
+        "--distributed-executor-backend",
+    ),
+    "hardware.collective_timeout_s": KeyDoc(
+        "seconds a tensor-parallel collective may wait for a rank before the group is lost "
+        "and restarted (a hung or unreachable rank)",
+        "--collective-timeout-s",
     ),
     # ---- limits
     "limits.max_input_tokens": KeyDoc(

@@ -54,11 +54,15 @@ def build_engine(
     clock: Callable[[], float] = time.monotonic,
     on_step: Callable[[StepStats], None] | None = None,
     progress: Callable[[str], None] | None = None,
+    on_group_lost: Callable[[str], None] | None = None,
 ) -> EngineCore:
+    """`on_group_lost(reason)` is called (on a watcher thread) when a tensor-parallel rank is
+    lost; the engine process exits there, so the supervisor restarts the whole group."""
     from tidal.loader.model_loader import load_model
     from tidal.loader.tokenizer import load_tokenizer
 
-    if config.hardware.threads is not None:
+    tp = config.hardware.tensor_parallel
+    if config.hardware.threads is not None and tp == 1:
         torch.set_num_threads(config.hardware.threads)
     device = resolve_device(config)
     dtype = resolve_dtype(config.weight_dtype, device)
@@ -72,18 +76,42 @@ def build_engine(
 
     from tidal.loader.model_loader import read_arch
 
-    family = read_arch(path)[0].family
-    # The tokenizer (Rust, off the GIL) loads while torch dequantizes the weights.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        tokenizer_future = pool.submit(load_tokenizer, path, family)
-        loaded = load_model(
-            path,
-            dtype,
-            device,
-            weight_cache=config.model.weight_cache,
-            gguf_blocks=scheme in NATIVE_SCHEMES,
-        )
-        tokenizer = tokenizer_future.result()
+    arch = read_arch(path)[0]
+    group = None
+    if tp > 1:
+        from tidal.loader.shard import ShardPlan
+
+        ShardPlan(arch, 0, tp)  # a degree the model cannot split fails before any rank starts
+        group = _start_group(config, path, dtype, device, scheme, on_group_lost)
+        if progress:
+            progress(f"tensor parallel: {tp} ranks ({config.hardware.distributed_executor_backend})")
+    try:
+        # The tokenizer (Rust, off the GIL) loads while torch dequantizes the weights.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            tokenizer_future = pool.submit(load_tokenizer, path, arch.family)
+            if group is not None:
+                loaded = group.load()  # this rank's shard, quantized and wrapped
+            else:
+                loaded = load_model(
+                    path,
+                    dtype,
+                    device,
+                    weight_cache=config.model.weight_cache,
+                    gguf_blocks=scheme in NATIVE_SCHEMES,
+                )
+            tokenizer = tokenizer_future.result()
+        if group is not None:
+            core = EngineCore(
+                config, loaded, tokenizer, clock=clock, on_step=on_step,
+                make_executor=group.executor,
+            )  # fmt: skip
+            if progress:
+                progress(f"KV cache: {core.num_blocks} blocks of {core.layout.page_bytes} bytes per rank")
+            return core
+    except BaseException:
+        if group is not None:
+            group.shutdown()
+        raise
     if scheme not in ("none", "gguf"):
         from tidal.quant.registry import quantize_model
 
@@ -98,6 +126,43 @@ def build_engine(
         progress(f"KV cache: {core.num_blocks} blocks of {core.layout.page_bytes} bytes")
     release_free_heap()  # loading's scratch (GGUF metadata, weight conversion) is free by now
     return core
+
+
+def _start_group(
+    config: EngineConfig,
+    path: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    scheme: str,
+    on_lost: Callable[[str], None] | None,
+):
+    """Start ranks 1..N-1 and join them as rank 0 (tidal.executor)."""
+    from tidal.executor.rank import RankSpec, threads_per_rank
+
+    hw = config.hardware
+    if device.type == "cuda" and torch.cuda.device_count() < hw.tensor_parallel:
+        raise ValueError(
+            f"hardware.tensor_parallel={hw.tensor_parallel} is invalid: only "
+            f"{torch.cuda.device_count()} CUDA devices are visible (one per rank)"
+        )
+    spec = RankSpec(
+        path=path,
+        dtype=str(dtype).removeprefix("torch."),
+        device=device.type,
+        scheme=scheme,
+        rank=0,
+        world_size=hw.tensor_parallel,
+        master_port=0,
+        threads=threads_per_rank(hw.threads, hw.tensor_parallel),
+        collective_timeout_s=float(hw.collective_timeout_s),
+    )
+    if hw.distributed_executor_backend == "ray":
+        from tidal.executor.ray_group import RayGroup
+
+        return RayGroup(spec, on_lost)
+    from tidal.executor.mp import LocalProcessGroup
+
+    return LocalProcessGroup(spec, on_lost)
 
 
 def check_quantization(

@@ -53,7 +53,11 @@ class EngineCore:
         tokenizer,  # tidal.loader.tokenizer.Tokenizer
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[StepStats], None] | None = None,
+        make_executor: Callable[..., ModelRunner] | None = None,
     ) -> None:
+        """`make_executor(loaded, layout, num_blocks, kv_dtype)` builds what runs each step:
+        ModelRunner in this process (the default), or a tensor-parallel group's executor
+        (tidal.executor.mp), which has the same execute/release methods."""
         self.config = config
         self.loaded = loaded
         self.tokenizer = tokenizer
@@ -81,7 +85,9 @@ class EngineCore:
         self.kv = KVCacheManager(self.layout, self.num_blocks, config.cache, clock)
         on_cpu = loaded.device.type == "cpu"
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, clock, on_cpu=on_cpu)
-        self.runner = ModelRunner(loaded, self.layout, self.num_blocks, kv_dtype)
+        # NOTE: with tensor parallelism `loaded.arch` holds this rank's KV heads, so the pool is
+        # sized by one rank's memory; every rank allocates the same number of blocks.
+        self.runner = (make_executor or ModelRunner)(loaded, self.layout, self.num_blocks, kv_dtype)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(arch.eos_token_ids)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
@@ -187,6 +193,12 @@ class EngineCore:
             child.finish(status)
             child.request.status = status
         self._forget(parent)
+
+    def shutdown(self) -> None:
+        """Stop what runs the steps (a tensor-parallel group's worker ranks); idempotent."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def has_unfinished(self) -> bool:
         return bool(self._parents)

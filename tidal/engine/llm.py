@@ -34,6 +34,9 @@ def engine_config_from_kwargs(model: str | None, **kwargs: Any) -> EngineConfig:
         if key == "dtype":
             sections["hardware"]["dtype"] = value
             continue
+        if key == "tensor_parallel_size":  # vLLM's name
+            sections["hardware"]["tensor_parallel"] = value
+            continue
         owner = next(
             (s for s, cls in _SECTIONS.items() if key in {f.name for f in fields(cls)}), None
         )
@@ -63,6 +66,16 @@ class LLM:
         self.config = engine_config_from_kwargs(model, **kwargs)
         self.engine = build_engine(self.config, on_step=on_step)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (they also end with this process)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -16,6 +16,7 @@ from tidal.engine.messages import (
     StepOutputs,
     ToEngine,
 )
+from tidal.executor.errors import GroupLost
 from tidal.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ class EngineLoop:
             self._maybe_hang()
             try:
                 outputs = core.step()
+            except GroupLost:
+                raise  # a tensor-parallel rank is gone: this engine ends, the supervisor restarts it
             except Exception as e:
                 self._fail_all(e)
                 continue

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 FAULT_ENV = "TIDAL_ENGINE_FAULT"
 FAULT_EXIT_CODE = 70
+GROUP_LOST_EXIT_CODE = 71  # a tensor-parallel rank died or a collective failed
 HEARTBEAT_INTERVAL_S = 0.5
 _FAULT_ACTIONS = ("hang_when_waiting", "exit_when_ready", "exit_on_start")
 
@@ -75,7 +76,7 @@ def run_engine_process(
     phases = _Phases(entered_at)
     phases.mark("import")
     try:
-        core = build_engine(config, progress=log.info)
+        core = build_engine(config, progress=log.info, on_group_lost=_group_lost)
         phases.mark("build")
         if warmup:
             _warm_up(core)
@@ -117,6 +118,14 @@ def run_engine_process(
         os._exit(FAULT_EXIT_CODE)
     hang_waiting = int(fault.split("=")[1]) if fault and fault.startswith("hang_") else None
     _PipeEngine(core, conn, hang_waiting).run()
+
+
+def _group_lost(reason: str) -> None:
+    """A tensor-parallel rank is gone: end this process now, so the supervisor fails the
+    started requests (retryable) and restarts the whole group."""
+    log.error("tensor-parallel group lost (%s); the engine process exits", reason)
+    logging.shutdown()
+    os._exit(GROUP_LOST_EXIT_CODE)
 
 
 def setup_logging(log_level: int) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from tidal.config.arch import ArchConfig, arch_from_gguf, arch_from_hf
 from tidal.layers.rotary import RotaryEmbedding, inv_frequencies
+from tidal.loader.shard import ShardPlan, slice_blocks, slice_tensor
 from tidal.models.registry import model_class
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     load_time_s: float
+    # This process's tensor-parallel share (arch then holds the rank's heads); None: the whole model.
+    shard: ShardPlan | None = None
 
 
 def read_arch(path: str | Path) -> tuple[ArchConfig, str | None]:
@@ -88,6 +91,7 @@ def load_model(
     *,
     weight_cache: bool = True,
     gguf_blocks: bool = False,
+    tensor_parallel: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """Build the model on the meta device and assign the checkpoint's tensors, so peak memory stays
     near one copy of the weights.
@@ -97,6 +101,10 @@ def load_model(
     Otherwise, with `weight_cache`, a GGUF's tensors, once dequantized and renamed, are saved
     beside it (tidal.loader.weight_cache) and later loads memory-map that file instead of
     dequantizing; the tensors are bit-identical either way.
+
+    `tensor_parallel=(rank, world_size)` loads only that rank's slices (tidal.loader.shard) and
+    builds the layers at their shard's size; the caller wraps the model with
+    tidal.layers.parallel.parallelize. It bypasses the weight cache (a cache of the whole model).
     """
     start = time.perf_counter()
     p = Path(path)
@@ -108,14 +116,20 @@ def load_model(
             "file; expected quantization none, int8, int4 or fp8"
         )
     arch, gguf_arch, freq_factors = _read_header(p)
+    shard = None if tensor_parallel is None else ShardPlan(arch, *tensor_parallel)
+    local = arch if shard is None else shard.local_arch()
     with torch.device("meta"):
-        model = model_class(arch)(arch, kv_group_of_layers(arch))
+        model = model_class(local)(local, kv_group_of_layers(local))
+        if shard is not None:
+            _shard_vocabulary(model, shard)
     if gguf_blocks:
         assert gguf_arch is not None  # a file, checked above
-        state = _load_gguf_blocks(model, p, arch, gguf_arch, dtype)
-        return _finish(model, arch, p, dtype, device, state, freq_factors, start, "GGUF blocks")
+        state = _load_gguf_blocks(model, p, arch, gguf_arch, dtype, shard)
+        return _finish(
+            model, local, p, dtype, device, state, freq_factors, start, "GGUF blocks", shard
+        )
     expected = dict(model.state_dict(keep_vars=True))
-    use_cache = weight_cache and not p.is_dir()
+    use_cache = weight_cache and not p.is_dir() and shard is None
     state: dict[str, torch.Tensor] | None = None
     if use_cache:
         from tidal.loader.weight_cache import load_weight_cache, weight_cache_key
@@ -127,14 +141,23 @@ def load_model(
             state = None
     source = "weight cache" if state is not None else "checkpoint"
     if state is None:
-        state = _read_state(p, arch, gguf_arch, expected, dtype, device)
+        state = _read_state(p, arch, gguf_arch, expected, dtype, device, shard)
         if use_cache:
             from tidal.loader.weight_cache import save_weight_cache
 
             save_weight_cache(p, dtype, key, state)
     elif device.type != "cpu":
         state = {name: t.to(device) for name, t in state.items()}
-    return _finish(model, arch, p, dtype, device, state, freq_factors, start, source)
+    return _finish(model, local, p, dtype, device, state, freq_factors, start, source, shard)
+
+
+def _shard_vocabulary(model: nn.Module, shard: ShardPlan) -> None:
+    """Embedding and LM head (on meta) at this rank's vocabulary rows."""
+    rows, hidden = shard.vocab_range[1] - shard.vocab_range[0], shard.arch.hidden_size
+    model.model.embed_tokens = nn.Embedding(rows, hidden)
+    model.lm_head = nn.Linear(hidden, rows, bias=False)
+    if _tied(model):
+        model.lm_head.weight = model.model.embed_tokens.weight
 
 
 def _finish(
@@ -147,6 +170,7 @@ def _finish(
     freq_factors: torch.Tensor | None,
     start: float,
     source: str,
+    shard: ShardPlan | None = None,
 ) -> LoadedModel:
     """Assign the float tensors, tie the head, build rotary tables, fuse projections."""
     weights_s = time.perf_counter() - start
@@ -180,11 +204,16 @@ def _finish(
         source,
         weights_s,
     )
-    return LoadedModel(model, arch, p, dtype, device, load_time_s)
+    return LoadedModel(model, arch, p, dtype, device, load_time_s, shard)
 
 
 def _load_gguf_blocks(
-    model: nn.Module, p: Path, arch: ArchConfig, gguf_arch: str, dtype: torch.dtype
+    model: nn.Module,
+    p: Path,
+    arch: ArchConfig,
+    gguf_arch: str,
+    dtype: torch.dtype,
+    shard: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
     """Swap every linear and embedding whose GGUF tensor has a kernel-readable block type for a
     module over the file's blocks; returns the remaining (float) tensors for load_state_dict."""
@@ -203,6 +232,12 @@ def _load_gguf_blocks(
     for name, tensor in iter_gguf_weights(p, arch, gguf_arch, keep_blocks=swappable):
         if name not in expected:
             continue
+        part = None if shard is None else shard.slice_of(name)
+        if part is not None:
+            if isinstance(tensor, torch.Tensor):
+                tensor = slice_tensor(tensor, part)
+            else:
+                tensor = slice_blocks(tensor, part, name)
         want = tuple(expected[name].shape)
         got = (tensor.rows, tensor.cols) if not isinstance(tensor, torch.Tensor) else tensor.shape
         if tuple(got) != want:
@@ -234,12 +269,14 @@ def _read_state(
     expected: dict[str, torch.Tensor],
     dtype: torch.dtype,
     device: torch.device,
+    shard: ShardPlan | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors the model uses, renamed, shape-checked, in `dtype` on `device`."""
+    """The checkpoint's tensors the model uses, renamed, shape-checked, in `dtype` on `device`;
+    with `shard`, only this rank's slices (safetensors read only those bytes)."""
     if p.is_dir():
         from tidal.loader.weights import iter_safetensors_weights
 
-        weights = iter_safetensors_weights(p)
+        weights = iter_safetensors_weights(p, None if shard is None else shard.slice_of)
     else:
         from tidal.loader.weights import iter_gguf_weights
 
@@ -249,6 +286,9 @@ def _read_state(
     for name, tensor in weights:
         if name not in expected:
             continue  # e.g. vision tower of a multimodal checkpoint
+        part = None if shard is None or p.is_dir() else shard.slice_of(name)
+        if part is not None:  # GGUF: decoded whole, then cut (safetensors came cut)
+            tensor = slice_tensor(tensor, part)
         want = tuple(expected[name].shape)
         if tuple(tensor.shape) != want:
             raise ValueError(f"{p}: tensor {name} has shape {tuple(tensor.shape)}, expected {want}")

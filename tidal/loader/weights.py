@@ -14,6 +14,7 @@ from tidal.config.arch import ArchConfig
 
 if TYPE_CHECKING:
     from tidal.kernels.gguf_gemm import BlockWeight
+    from tidal.loader.shard import TensorSlice
 
 # llama.cpp tensor name -> HF name; "{}" is the layer index.
 _GGUF_LAYER_NAMES = {
@@ -110,8 +111,11 @@ def iter_gguf_weights(
             yield hf, t
 
 
-def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from a HF directory's (possibly sharded) safetensors files."""
+def iter_safetensors_weights(
+    model_dir: Path, slice_of: Callable[[str], TensorSlice | None] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from a HF directory's (possibly sharded) safetensors files; where
+    `slice_of(name)` gives a slice, only those rows or columns are read."""
     from safetensors import safe_open
 
     index = model_dir / "model.safetensors.index.json"
@@ -129,4 +133,10 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
                     hf = hf[len("language_model.") :]
                 if hf.startswith("model.language_model."):
                     hf = "model." + hf[len("model.language_model.") :]
-                yield hf, f.get_tensor(name)
+                part = None if slice_of is None else slice_of(hf)
+                if part is None:
+                    yield hf, f.get_tensor(name)
+                elif part.dim == 0:
+                    yield hf, f.get_slice(name)[part.start : part.stop]
+                else:
+                    yield hf, f.get_slice(name)[:, part.start : part.stop]

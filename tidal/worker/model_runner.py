@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,26 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """What the model needs to run one step, the same on every tensor-parallel rank (rank 0
+    builds it from the SchedulerOutput; tidal.executor ships it to the others as int64s)."""
+
+    input_ids: torch.Tensor  # (T,) int64, the batch's tokens, requests back to back
+    positions: torch.Tensor  # (T,) int64
+    num_tokens: list[int]  # per request, tokens computed this step
+    context_lens: list[int]  # per request, start + num_tokens
+    block_tables: list[list[list[int]]]  # per request, per KV group
+    sample_rows: list[int]  # flat token indices whose logits are sampled, in row order
+    prompt_spans: list[tuple[int, int]]  # (flat start, count) of prompt positions to score
+
+
+@dataclass(slots=True)
+class StepLogits:
+    sample: torch.Tensor | None  # (len(sample_rows), vocab) float32
+    prompt: list[torch.Tensor]  # per prompt span, (count, vocab) float32
+
+
 class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, layout: KVLayout, num_blocks: int, kv_dtype: torch.dtype
@@ -62,7 +83,34 @@ class ModelRunner:
         return gen
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def forward(self, inputs: StepInputs) -> StepLogits:
+        """The model over one step's tokens and the logits of the sampled and scored rows.
+
+        NOTE: with tensor parallelism every rank calls this with the same inputs: its
+        collectives (all-reduces in the layers, all-gathers of logits) must come in one order."""
+        meta = build_metadata(
+            inputs.num_tokens,
+            inputs.context_lens,
+            inputs.block_tables,
+            self.layout.block_size,
+            self.device,
+        )
+        hidden = self.model(
+            inputs.input_ids.to(self.device), inputs.positions.to(self.device), meta, self.kv_caches
+        )
+        sample = None
+        if inputs.sample_rows:
+            rows = torch.tensor(inputs.sample_rows, device=self.device)
+            sample = self.model.compute_logits(hidden[rows])
+        prompt = [self.model.compute_logits(hidden[a : a + n]) for a, n in inputs.prompt_spans]
+        return StepLogits(sample, prompt)
+
+    @torch.inference_mode()
+    def execute(
+        self, sched: SchedulerOutput, on_inputs: Callable[[StepInputs], None] | None = None
+    ) -> RunnerOutput:
+        """One step; `on_inputs` sees the step's inputs before the model runs (the tensor-parallel
+        executor sends them to the other ranks there)."""
         out = RunnerOutput()
         if sched.is_empty:
             return out
@@ -95,21 +143,21 @@ class ModelRunner:
                     )
                 )
                 row_ids.append(req.request_id)
-        meta = build_metadata(
+        inputs = StepInputs(
+            torch.tensor(ids, dtype=torch.long),
+            torch.tensor(positions, dtype=torch.long),
             [sr.num_tokens for sr in sched.scheduled],
             [sr.start + sr.num_tokens for sr in sched.scheduled],
             [sr.block_tables for sr in sched.scheduled],
-            self.layout.block_size,
-            self.device,
+            sample_rows,
+            [(flat, n) for _, flat, _, n in prompt_rows],
         )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, meta, self.kv_caches)
+        if on_inputs is not None:
+            on_inputs(inputs)
+        logits = self.forward(inputs)
         if rows:
-            logits = self.model.compute_logits(
-                hidden[torch.tensor(sample_rows, device=self.device)]
-            )
-            result = self.sampler(logits, rows)
+            assert logits.sample is not None
+            result = self.sampler(logits.sample, rows)
             tokens = result.token_ids.tolist()
             for i, rid in enumerate(row_ids):
                 out.sampled[rid] = tokens[i]
@@ -124,14 +172,13 @@ class ModelRunner:
                         if result.top_logprobs is not None
                         else [],
                     )
-        for rid, flat, first, n in prompt_rows:
+        for (rid, _, first, n), span_logits in zip(prompt_rows, logits.prompt, strict=True):
             req = next(sr.request for sr in sched.scheduled if sr.request.request_id == rid)
             k = req.sampling_params.prompt_logprobs or 0
-            logits = self.model.compute_logits(hidden[flat : flat + n])
             targets = torch.tensor(
                 req.prompt_token_ids[first + 1 : first + 1 + n], device=self.device
             )
-            pl = prompt_logprobs(logits, targets, max(k, 1))
+            pl = prompt_logprobs(span_logits, targets, max(k, 1))
             entries = out.prompt_logprobs.setdefault(rid, [])
             for j in range(n):
                 entries.append(
