@@ -22,7 +22,18 @@ _FAMILY_BY_NAME = {
     "Qwen2ForCausalLM": "qwen2",
     "qwen3": "qwen3",
     "Qwen3ForCausalLM": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "mixtral": "mixtral",
+    "MixtralForCausalLM": "mixtral",
+    "deepseek_v2": "deepseek_v2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "deepseek2": "deepseek_v3",  # llama.cpp's one GGUF architecture for DeepSeek V2 and V3
 }
+# Families whose attention is DeepSeek's multi-head latent attention (ArchConfig.mla is set).
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +48,72 @@ class RopeConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MoEConfig:
+    """Routed experts of the sparse layers (Mixtral, Qwen3-MoE, DeepSeek V2/V3).
+
+    Router: scores = softmax(logits) or sigmoid(logits); with num_groups > 1 only the best
+    topk_groups groups stay eligible (a group's score: its best expert, or, with sigmoid scoring,
+    its two best biased scores summed, as DeepSeek-V3); the top_k experts by (biased) score are
+    picked; their unbiased scores are the weights, renormalized to sum 1 when norm_topk_prob,
+    then multiplied by routed_scaling_factor."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one routed expert
+    scoring: str = "softmax"  # "softmax" | "sigmoid"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    num_groups: int = 1
+    topk_groups: int = 1
+    score_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (choice only, not weights)
+    shared_intermediate_size: int = 0  # all shared experts as one MLP; 0: none
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(
+                f"scoring_func={self.scoring!r} is not supported: expected softmax or sigmoid"
+            )
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok={self.top_k} is invalid: expected 1..{self.num_experts}"
+            )
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(
+                f"n_group={self.num_groups} is invalid: expected a divisor of {self.num_experts}"
+            )
+        if not 0 < self.topk_groups <= self.num_groups:
+            raise ValueError(
+                f"topk_group={self.topk_groups} is invalid: expected 1..n_group={self.num_groups}"
+            )
+        per_group = self.num_experts // self.num_groups
+        if self.topk_groups * per_group < self.top_k:
+            raise ValueError(
+                f"topk_group={self.topk_groups} groups of {per_group} experts cannot hold "
+                f"num_experts_per_tok={self.top_k}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class MLAConfig:
+    """DeepSeek's multi-head latent attention: per token the KV cache holds one latent of
+    kv_lora_rank values (normed) plus one shared rotary key of qk_rope_head_dim values."""
+
+    q_lora_rank: int | None  # None: a full-rank q_proj (DeepSeek-V2-Lite)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rotary pairs are adjacent elements (DeepSeek's layout)
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token stores per layer in the KV cache."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True, slots=True)
 class ArchConfig:
-    family: str  # "gemma3" | "llama" | "mistral" | "qwen2" | "qwen3"
+    family: str  # a value of _FAMILY_BY_NAME: "gemma3", "llama", ..., "deepseek_v3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,6 +136,25 @@ class ArchConfig:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts: the router and expert sizes, and which layers are sparse (the others
+    # run the dense GatedMLP of intermediate_size).
+    moe: MoEConfig | None = None
+    moe_layers: tuple[int, ...] = ()
+    mla: MLAConfig | None = None
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """Heads one token stores per layer: MLA's latent is one shared head."""
+        return 1 if self.mla else self.num_kv_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        return self.mla.latent_dim if self.mla else self.head_dim
+
+    @property
+    def kv_cache_parts(self) -> int:
+        """2: separate K and V pages; 1: MLA's latent is both."""
+        return 1 if self.mla else 2
 
     @property
     def attn_scale(self) -> float:
@@ -84,6 +178,12 @@ class ArchConfig:
             )
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a positive sliding_window")
+        if self.moe_layers and self.moe is None:
+            raise ValueError("moe_layers are set without a MoEConfig")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+            raise ValueError(
+                f"moe_layers={self.moe_layers} name layers outside 0..{self.num_layers - 1}"
+            )
 
 
 def family_of(name: str) -> str:
@@ -148,9 +248,9 @@ def arch_from_hf(cfg: dict[str, Any]) -> ArchConfig:
         if not layer_types:
             pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
             layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral"):
         layer_types = [SLIDING if window else FULL] * num_layers
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
         if not cfg.get("use_sliding_window") or not window:
             layer_types = [FULL] * num_layers
             window = None
@@ -162,6 +262,10 @@ def arch_from_hf(cfg: dict[str, Any]) -> ArchConfig:
     if SLIDING not in layer_types:
         window = None
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    moe, moe_layers = _moe_from_hf(cfg, family, num_layers)
+    mla = _mla_from_hf(cfg) if family in MLA_FAMILIES else None
+    if mla is not None:
+        head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     return ArchConfig(
         family=family,
         vocab_size=int(cfg["vocab_size"]),
@@ -178,13 +282,86 @@ def arch_from_hf(cfg: dict[str, Any]) -> ArchConfig:
         sliding_window=int(window) if window else None,
         hidden_act=act,
         qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-        qk_norm=family in ("gemma3", "qwen3"),
+        qk_norm=family in ("gemma3", "qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id")),
+        moe=moe,
+        moe_layers=moe_layers,
+        mla=mla,
+    )
+
+
+def _moe_from_hf(
+    cfg: dict[str, Any], family: str, num_layers: int
+) -> tuple[MoEConfig | None, tuple[int, ...]]:
+    """The router settings and the sparse layers of a MoE config.json (None for dense ones)."""
+    if family == "mixtral":
+        moe = MoEConfig(
+            num_experts=int(cfg["num_local_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            norm_topk_prob=True,  # Mixtral always renormalizes its top-k
+        )
+        return moe, tuple(range(num_layers))
+    if family == "qwen3_moe":
+        moe = MoEConfig(
+            num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+            top_k=int(cfg["num_experts_per_tok"]),
+            intermediate_size=int(cfg["moe_intermediate_size"]),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        )
+        dense = set(cfg.get("mlp_only_layers") or [])
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+        return moe, layers
+    if family not in MLA_FAMILIES:
+        return None, ()
+    v3 = family == "deepseek_v3"
+    n_experts = cfg.get("n_routed_experts")
+    if not n_experts:
+        return None, ()
+    topk_method = cfg.get("topk_method") or ("noaux_tc" if v3 else "greedy")
+    scoring = cfg.get("scoring_func") or ("sigmoid" if v3 else "softmax")
+    grouped = topk_method in ("group_limited_greedy", "noaux_tc")
+    if topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(
+            f"topk_method={topk_method!r} is not supported: expected greedy, "
+            "group_limited_greedy or noaux_tc"
+        )
+    shared = int(cfg.get("n_shared_experts") or 0)
+    moe_size = int(cfg["moe_intermediate_size"])
+    moe = MoEConfig(
+        num_experts=int(n_experts),
+        top_k=int(cfg["num_experts_per_tok"]),
+        intermediate_size=moe_size,
+        scoring=scoring,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", v3)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+        num_groups=int(cfg.get("n_group") or 1) if grouped else 1,
+        topk_groups=int(cfg.get("topk_group") or 1) if grouped else 1,
+        score_bias=topk_method == "noaux_tc",
+        shared_intermediate_size=moe_size * shared,
+    )
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)
+    freq = int(cfg.get("moe_layer_freq") or 1)
+    layers = tuple(i for i in range(first_dense, num_layers) if i % freq == 0)
+    return moe, layers
+
+
+def _mla_from_hf(cfg: dict[str, Any]) -> MLAConfig:
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
+        v_head_dim=int(cfg["v_head_dim"]),
+        # DeepSeek-V2's checkpoints always pair adjacent elements; V3 says so in its config.
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
     )
 
 

@@ -67,8 +67,9 @@ class EngineCore:
         self.layout = KVLayout.from_layer_windows(
             arch.layer_windows(),
             block_size=config.cache.block_size,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
+            num_kv_heads=arch.kv_cache_heads,
+            head_dim=arch.kv_cache_head_dim,
+            parts=arch.kv_cache_parts,
             dtype_bytes=kv_dtype.itemsize,
             kv_dtype=config.cache.kv_cache_dtype,
         )

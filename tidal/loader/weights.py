@@ -34,6 +34,15 @@ _GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Mixtral's checkpoints name the MoE block and its experts' projections differently from the
+# DeepSeek / Qwen3-MoE layout tidal's SparseMoE uses (mlp.experts.N.gate_proj, ...).
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
+_MIXTRAL_PROJ = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+
+
+def _mixtral_to_tidal_name(name: str) -> str:
+    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJ[m[2]]}.", name)
+    return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
 
 
 def gguf_to_hf_name(name: str, family: str) -> str | None:
@@ -129,4 +138,6 @@ def iter_safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tenso
                     hf = hf[len("language_model.") :]
                 if hf.startswith("model.language_model."):
                     hf = "model." + hf[len("model.language_model.") :]
+                if ".block_sparse_moe." in hf:
+                    hf = _mixtral_to_tidal_name(hf)
                 yield hf, f.get_tensor(name)

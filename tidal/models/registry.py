@@ -14,6 +14,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "mistral": ("tidal.models.llama", "LlamaForCausalLM"),
     "qwen2": ("tidal.models.llama", "LlamaForCausalLM"),
     "qwen3": ("tidal.models.llama", "LlamaForCausalLM"),
+    "qwen3_moe": ("tidal.models.llama", "LlamaForCausalLM"),
+    "mixtral": ("tidal.models.llama", "LlamaForCausalLM"),
+    "deepseek_v2": ("tidal.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("tidal.models.deepseek_v2", "DeepseekV2ForCausalLM"),
 }
 
 
