@@ -35,12 +35,15 @@ _FAMILY_ALIASES: dict[str, str] = {
     "qwen": "chatml",
     "qwen2": "chatml",
     "qwen3": "chatml",
+    "qwen3_moe": "chatml",
     "llama3": "llama3",
     "mistral": "mistral",
+    "mixtral": "mistral",
 }
 
-# Model families whose checkpoints use several chat formats: the vocabulary tells which.
-_VOCAB_DECIDES = frozenset({"llama"})
+# Model families whose checkpoints use several chat formats: the vocabulary tells which
+# (DeepSeek's checkpoints carry their own template).
+_VOCAB_DECIDES = frozenset({"llama", "deepseek_v2", "deepseek_v3"})
 
 
 class Tokenizer:
