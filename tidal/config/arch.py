@@ -30,7 +30,7 @@ _FAMILY_BY_NAME = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "deepseek_v3": "deepseek_v3",
     "DeepseekV3ForCausalLM": "deepseek_v3",
-    "deepseek2": "deepseek_v3",  # llama.cpp's one GGUF architecture for DeepSeek V2 and V3
+    "deepseek2": "deepseek_v2",  # llama.cpp's one GGUF architecture for DeepSeek V2 and V3
 }
 # Families whose attention is DeepSeek's multi-head latent attention (ArchConfig.mla is set).
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -391,6 +391,19 @@ def arch_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ArchConfig:
     scaling_type = key("rope.scaling.type")
     if scaling_type == "linear":
         scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+    elif scaling_type == "yarn" and family in MLA_FAMILIES:
+        # llama.cpp stores DeepSeek's 0.1 * mscale_all_dim as the log multiplier, and not
+        # mscale: its released configs have mscale == mscale_all_dim (cos/sin factor 1).
+        mscale = float(key("rope.scaling.yarn_log_multiplier", 0.1)) / 0.1
+        scaling = {
+            "rope_type": "yarn",
+            "factor": float(key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
+        }
     elif scaling_type not in (None, "none"):
         raise ValueError(f"GGUF rope.scaling.type={scaling_type!r} is not supported")
     rope_full = RopeConfig(theta, tuple(sorted(scaling.items())))
@@ -411,6 +424,12 @@ def arch_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ArchConfig:
         act = "silu"
     if SLIDING not in layer_types:
         window = None
+    mla = moe = None
+    moe_layers: tuple[int, ...] = ()
+    if family in MLA_FAMILIES:
+        mla, moe, moe_layers = _deepseek2_from_gguf(key, num_layers)
+        head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        num_kv = num_heads  # llama.cpp's MQA form says 1: the one latent head
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ArchConfig(
         family=family,
@@ -435,4 +454,53 @@ def arch_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ArchConfig:
         attn_logit_softcapping=key("attn_logit_softcapping"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_ids(eos),
+        moe=moe,
+        moe_layers=moe_layers,
+        mla=mla,
     )
+
+
+# llama.cpp's expert_gating_func values (LLAMA_EXPERT_GATING_FUNC_TYPE_*).
+_GGUF_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def _deepseek2_from_gguf(
+    key: Any, num_layers: int
+) -> tuple[MLAConfig, MoEConfig | None, tuple[int, ...]]:
+    """MLA and MoE settings of a llama.cpp `deepseek2` file. Newer converters write the MQA form
+    (key_length = kv_lora_rank + rope, the per-head sizes in key_length_mla / value_length_mla),
+    older ones the per-head sizes in key_length / value_length."""
+    rope_dim = int(key("rope.dimension_count"))
+    k_len = key("attention.key_length_mla") or key("attention.key_length")
+    v_len = key("attention.value_length_mla") or key("attention.value_length")
+    q_lora = key("attention.q_lora_rank")
+    mla = MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(key("attention.kv_lora_rank")),
+        qk_nope_head_dim=int(k_len) - rope_dim,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=int(v_len),
+    )
+    n_experts = int(key("expert_count", 0) or 0)
+    if not n_experts:
+        return mla, None, ()
+    gating = int(key("expert_gating_func", 1))
+    if gating not in _GGUF_GATING:
+        raise ValueError(f"GGUF expert_gating_func={gating} is not supported: expected 1 or 2")
+    scoring = _GGUF_GATING[gating]
+    groups = int(key("expert_group_count", 1) or 1)
+    expert_size = int(key("expert_feed_forward_length"))
+    moe = MoEConfig(
+        num_experts=n_experts,
+        top_k=int(key("expert_used_count")),
+        intermediate_size=expert_size,
+        scoring=scoring,
+        norm_topk_prob=bool(key("expert_weights_norm", False)),
+        routed_scaling_factor=float(key("expert_weights_scale", 1.0)),
+        num_groups=groups,
+        topk_groups=int(key("expert_group_used_count", 1) or 1) if groups > 1 else 1,
+        score_bias=scoring == "sigmoid",  # V3's exp_probs_b
+        shared_intermediate_size=expert_size * int(key("expert_shared_count", 0) or 0),
+    )
+    first_dense = int(key("leading_dense_block_count", 0) or 0)
+    return mla, moe, tuple(range(first_dense, num_layers))
