@@ -154,3 +154,37 @@ def test_moe_output_does_not_depend_on_the_batch(model_dir):
     assert torch.equal(ids_together.sort(dim=-1)[0], ids_alone.sort(dim=-1)[0])
     print(f"max|alone - batched| = {(together - alone).abs().max().item():.2e}")
     assert torch.allclose(together, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_expert_load_reaches_step_stats_and_metrics(model_dir):
+    """Each step's tokens per expert (summed over the sparse layers) are in StepStats, and
+    /metrics' histogram gets one observation per expert per step."""
+    from prometheus_client import generate_latest
+
+    from tidal.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    llm = LLM(str(model_dir), kv_cache_bytes=1 << 20, block_size=8)
+    core = llm.engine
+    arch = core.loaded.arch
+    prompt = [1, 40, 41, 42, 43, 44]
+    core.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    steps = 0
+    while core.has_unfinished():
+        core.step()
+        stats = core.last_stats
+        if stats.num_scheduled_tokens:
+            steps += 1
+            load = stats.moe_expert_tokens
+            assert len(load) == arch.moe.num_experts
+            # every scheduled token picks top_k experts in each sparse layer
+            assert sum(load) == stats.num_scheduled_tokens * arch.moe.top_k * len(arch.moe_layers)
+            metrics.on_step(stats)
+    text = generate_latest(metrics.registry).decode()
+    count = next(
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("tidal:moe_expert_tokens_count")
+    )
+    assert steps == 3 and count == steps * arch.moe.num_experts
+    assert "tidal:moe_expert_load_imbalance " in text

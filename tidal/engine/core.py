@@ -211,7 +211,9 @@ class EngineCore:
                 self._forget(parent)
         step_s = time.perf_counter() - start
         self.scheduler.record_step(sched, step_s)
-        self.last_stats = StepStats.from_step(self.scheduler.stats, sched, step_s, self.kv)
+        self.last_stats = StepStats.from_step(
+            self.scheduler.stats, sched, step_s, self.kv, result.moe_expert_tokens
+        )
         if self.on_step is not None:
             self.on_step(self.last_stats)
         return outputs
