@@ -96,6 +96,32 @@ def test_deepseek_v3_kv_bytes_per_token():
     assert expanded == 4_997_120 and expanded // layout.bytes_per_token == 71
     assert arch.moe_layers == tuple(range(3, 61)) and arch.moe.score_bias
     assert arch.rope["full_attention"].scaling_dict()["rope_type"] == "yarn"
+    int8 = KVLayout.from_layer_windows(
+        arch.layer_windows(), block_size=16, num_kv_heads=1, head_dim=576, dtype_bytes=2,
+        kv_dtype="int8", parts=1,
+    )  # fmt: skip
+    assert int8.bytes_per_token == (576 + 4) * 61 == 35_380
+
+
+def test_deepseek_v2_lite_kv_bytes_per_token():
+    """DeepSeek-V2-Lite (no q_lora, 16 heads): 31,104 B per token against 276,480 B expanded."""
+    cfg = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+        "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+        "num_key_value_heads": 16, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "greedy",
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840,
+    }  # fmt: skip
+    arch = arch_from_hf(cfg)
+    assert arch.mla.q_lora_rank is None and arch.moe.scoring == "softmax"
+    layout = KVLayout.from_layer_windows(
+        arch.layer_windows(), block_size=16, num_kv_heads=arch.kv_cache_heads,
+        head_dim=arch.kv_cache_head_dim, dtype_bytes=2, parts=arch.kv_cache_parts,
+    )  # fmt: skip
+    assert layout.bytes_per_token == 576 * 27 * 2 == 31_104
+    assert 27 * 16 * ((128 + 64) + 128) * 2 == 276_480
 
 
 @pytest.mark.parametrize(
