@@ -214,3 +214,13 @@ def test_expert_load_reaches_step_stats_and_metrics(model_dir):
     )
     assert steps == 3 and count == steps * arch.moe.num_experts
     assert "tidal:moe_expert_load_imbalance " in text
+
+
+def test_tensor_parallel_is_refused_for_mla_and_moe(model_dir):
+    from tidal.loader.arch_reader import read_arch_config
+    from tidal.models.registry import check_tensor_parallel
+
+    arch = read_arch_config(model_dir)
+    check_tensor_parallel(arch, 1)
+    with pytest.raises(ValueError, match="tensor_parallel=2 is not supported for the deepseek_v3"):
+        check_tensor_parallel(arch, 2)

@@ -71,8 +71,11 @@ def build_engine(
     from concurrent.futures import ThreadPoolExecutor
 
     from tidal.loader.model_loader import read_arch
+    from tidal.models.registry import check_tensor_parallel
 
-    family = read_arch(path)[0].family
+    arch = read_arch(path)[0]
+    check_tensor_parallel(arch, config.hardware.tensor_parallel)
+    family = arch.family
     # The tokenizer (Rust, off the GIL) loads while torch dequantizes the weights.
     with ThreadPoolExecutor(max_workers=1) as pool:
         tokenizer_future = pool.submit(load_tokenizer, path, family)
