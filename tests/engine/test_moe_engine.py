@@ -124,16 +124,19 @@ def test_deepseek_v2_lite_kv_bytes_per_token():
     assert 27 * 16 * ((128 + 64) + 128) * 2 == 276_480
 
 
+# One page of the tiny model: 8 tokens x 3 layers x (16 + 8) latent values x 4 B = 2,304 B.
 @pytest.mark.parametrize(
     "name,kwargs",
     [
-        ("batched", dict(max_num_seqs=8, max_num_batched_tokens=512)),
-        ("chunked", dict(max_num_seqs=8, max_num_batched_tokens=10)),
+        ("batched", dict(kv_cache_bytes=1 << 20, max_num_seqs=8, max_num_batched_tokens=512)),
+        ("chunked", dict(kv_cache_bytes=1 << 20, max_num_seqs=8, max_num_batched_tokens=10)),
+        # ~15 usable pages for 6 requests of up to 6 pages each: some are preempted
+        ("preempted", dict(kv_cache_bytes=16 * 2304, max_num_seqs=8)),
     ],
 )
 def test_greedy_matches_transformers_alone_and_batched(model_dir, reference, name, kwargs):
     prompts, expected = reference
-    llm = LLM(str(model_dir), kv_cache_bytes=1 << 20, block_size=8, **kwargs)
+    llm = LLM(str(model_dir), block_size=8, **kwargs)
     # One request first (its full blocks are cached), then all of them: the rest hit its prefix.
     first = llm.generate(prompt_token_ids=[prompts[0]], sampling_params=PARAMS)[0]
     assert list(first.outputs[0].token_ids) == expected[0]
@@ -141,6 +144,8 @@ def test_greedy_matches_transformers_alone_and_batched(model_dir, reference, nam
     for i, out in enumerate(outs):
         assert list(out.outputs[0].token_ids) == expected[i], (name, i)
     assert llm.engine.kv.prefix_hit_tokens >= 16 * (len(prompts) - 1)  # two full pages each
+    if name == "preempted":
+        assert llm.engine.last_stats.num_preemptions_total > 0
     assert_pool_clean(llm.engine.kv)
 
 
