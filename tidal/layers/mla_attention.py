@@ -65,12 +65,15 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=bias)
         self.layer_type = FULL
         self.backend = MLAPagedAttention()
-        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # W_UK (H, nope, rank) and W_UV (H, v, rank), set by fuse_projections(); buffers, so they
+        # move with the model and count in its weight bytes.
+        self.register_buffer("w_uk", None, persistent=False)
+        self.register_buffer("w_uv", None, persistent=False)
 
     def fuse_projections(self) -> None:
         """Split kv_b_proj into dense W_UK (H, nope, rank) and W_UV (H, v, rank), kept in the
         model's float dtype (a quantization swap that runs later leaves them alone)."""
-        self._absorbed = self._split_kv_b()
+        self.w_uk, self.w_uv = self._split_kv_b()
         del self.kv_b_proj
 
     def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +100,7 @@ class MLAttention(nn.Module):
         q_pe = rotate(q_pe, cos, sin)  # (T, H, rope)
         k_pe = rotate(k_pe[:, None, :], cos, sin)[:, 0]  # (T, rope)
         latent = torch.cat((c, k_pe), dim=-1)  # (T, rank + rope)
-        w_uk, w_uv = self._absorbed if self._absorbed is not None else self._split_kv_b()
+        w_uk, w_uv = (self.w_uk, self.w_uv) if self.w_uk is not None else self._split_kv_b()
         out = self.backend.forward(
             q_nope, q_pe, latent, kv_cache, meta, self.kv_group, w_uk, w_uv, self.scale
         )  # (T, H, v)
