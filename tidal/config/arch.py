@@ -23,6 +23,7 @@ _FAMILY_BY_NAME = {
     "qwen3": "qwen3",
     "Qwen3ForCausalLM": "qwen3",
     "qwen3_moe": "qwen3_moe",
+    "qwen3moe": "qwen3_moe",  # llama.cpp's GGUF architecture name
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "mixtral": "mixtral",
     "MixtralForCausalLM": "mixtral",
@@ -378,6 +379,9 @@ def arch_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ArchConfig:
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
 
+    if family == "llama" and key("expert_count"):  # llama.cpp writes Mixtral as llama + experts
+        family = "mixtral"
+
     num_layers = int(key("block_count"))
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
@@ -430,12 +434,21 @@ def arch_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ArchConfig:
         mla, moe, moe_layers = _deepseek2_from_gguf(key, num_layers)
         head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         num_kv = num_heads  # llama.cpp's MQA form says 1: the one latent head
+    elif family in ("qwen3_moe", "mixtral"):
+        # llama.cpp runs every layer sparse and renormalizes the top-k weights for both.
+        moe = MoEConfig(
+            num_experts=int(key("expert_count")),
+            top_k=int(key("expert_used_count")),
+            intermediate_size=int(key("expert_feed_forward_length") or key("feed_forward_length")),
+            norm_topk_prob=True,
+        )
+        moe_layers = tuple(range(num_layers))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ArchConfig(
         family=family,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=int(key("feed_forward_length", moe.intermediate_size if moe else 0)),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(num_kv),
@@ -447,7 +460,7 @@ def arch_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ArchConfig:
         sliding_window=int(window) if window else None,
         hidden_act=act,
         qkv_bias=family == "qwen2",
-        qk_norm=family in ("gemma3", "qwen3"),
+        qk_norm=family in ("gemma3", "qwen3", "qwen3_moe"),
         tie_word_embeddings=not has_output_tensor,
         query_pre_attn_scalar=query_pre_attn_scalar,
         final_logit_softcapping=key("final_logit_softcapping"),

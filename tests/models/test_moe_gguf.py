@@ -1,6 +1,7 @@
-"""A tiny DeepSeek-V3 written as a llama.cpp `deepseek2` GGUF (its key and tensor names, experts
-stacked, kv_b split into attn_k_b / attn_v_b as newer converters do, or kept whole) loads and
-matches transformers; with Q8_0 experts served from their blocks it stays close."""
+"""MoE GGUFs written with the gguf writer in llama.cpp's conventions load and match transformers:
+a tiny DeepSeek-V3 as `deepseek2` (its key and tensor names, experts stacked, kv_b split into
+attn_k_b / attn_v_b as newer converters do, or kept whole; Q8_0 experts served from their blocks
+match the dequantized file), Qwen3-MoE as `qwen3moe` and Mixtral as `llama` with experts."""
 
 from __future__ import annotations
 
@@ -175,3 +176,100 @@ def test_deepseek2_q8_experts_run_from_their_blocks(hf_model, tmp_path):
         print(f"deepseek2 GGUF Q8_0 experts, blocks vs dequantized: max|diff|={diff:.2e}")
         assert diff < 1e-3
     assert out == ref_out
+
+
+_DENSE_NAMES = {
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",
+}
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's Q/K row order for llama-arch files (rotary halves paired up)."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def write_moe_gguf(model, arch: str, path: Path) -> None:
+    """Qwen3-MoE (`qwen3moe`) or Mixtral (`llama` with experts) as llama.cpp writes them."""
+    import gguf
+
+    cfg = model.config
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_expert_count(cfg.num_local_experts if arch == "llama" else cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch != "llama":  # Mixtral's experts are feed_forward_length wide, no key of their own
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_tensor("token_embd.weight", state["model.embed_tokens.weight"].numpy())
+    w.add_tensor("output_norm.weight", state["model.norm.weight"].numpy())
+    w.add_tensor("output.weight", state["lm_head.weight"].numpy())
+    for i in range(cfg.num_hidden_layers):
+        pre = f"model.layers.{i}."
+        for ours, theirs in _DENSE_NAMES.items():
+            if pre + ours not in state:
+                continue
+            a = state[pre + ours].numpy()
+            if arch == "llama" and ours in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
+                heads = cfg.num_attention_heads if "q_proj" in ours else cfg.num_key_value_heads
+                a = _permute(a, heads)
+            w.add_tensor(f"blk.{i}.{theirs}", np.ascontiguousarray(a))
+        gate, up = state[pre + "mlp.experts.gate_up_proj"].chunk(2, dim=1)
+        experts = {
+            "gate_proj": gate,
+            "up_proj": up,
+            "down_proj": state[pre + "mlp.experts.down_proj"],
+        }
+        for proj, theirs in _EXPERT.items():
+            w.add_tensor(f"blk.{i}.{theirs}.weight", experts[proj].contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("family,arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+def test_qwen3moe_and_mixtral_gguf_match_transformers(tmp_path, family, arch):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tiny_config(family)
+    if family == "qwen3_moe":
+        cfg.mlp_only_layers = []  # a GGUF has no dense-layer list: llama.cpp runs all sparse
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * 0.2) if "norm" in name else p.normal_(0, 0.15)
+        refs = [model(torch.tensor([p])).logits[0].float() for p in PROMPTS]
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_moe_gguf(model, arch, path)
+    loaded = load_model(path, torch.float32, weight_cache=False)
+    assert (
+        loaded.arch.family == family
+        and loaded.arch.moe_layers == (0, 1, 2)[: cfg.num_hidden_layers]
+    )
+    logits, _ = paged_prefill_and_greedy(loaded.model, loaded.arch, PROMPTS, max_new=1, chunk=4)
+    for ours, ref in zip(logits, refs):
+        diff = (ours - ref).abs().max().item()
+        print(f"{arch} GGUF: max|diff|={diff:.2e}")
+        assert diff < 1e-4
