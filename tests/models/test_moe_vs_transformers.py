@@ -92,3 +92,23 @@ def test_arch_is_read_from_config(tiny):
         assert sparse == [0, 2] and arch.qk_norm and arch.moe.norm_topk_prob
     if family == "mixtral":
         assert arch.moe.num_experts == 4 and arch.moe.norm_topk_prob
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"topk_method": "random"}, "topk_method='random' is not supported"),
+        ({"scoring_func": "relu"}, "scoring_func='relu' is not supported"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9 is invalid: expected 1..8"),
+        ({"n_group": 3}, "n_group=3 is invalid: expected a divisor of 8"),
+        ({"topk_group": 5}, "topk_group=5 is invalid: expected 1..n_group=4"),
+    ],
+)
+def test_bad_moe_settings_are_refused_with_the_field_name(change, message):
+    from tests.models.tiny_hf import tiny_config
+    from tidal.config.arch import arch_from_hf
+
+    cfg = tiny_config("deepseek_v3").to_dict()
+    cfg.update(change)
+    with pytest.raises(ValueError, match=message):
+        arch_from_hf(cfg)
