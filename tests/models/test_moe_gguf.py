@@ -101,7 +101,12 @@ def write_deepseek2_gguf(model, path: Path, split_kv_b: bool, q8_experts: bool =
         pre = f"model.layers.{i}."
         for ours, theirs in _NAMES.items():
             if pre + ours in state:
-                w.add_tensor(f"blk.{i}.{theirs}", state[pre + ours].numpy())
+                a = state[pre + ours].numpy()
+                if q8_experts and a.ndim == 2 and a.shape[1] % 32 == 0:  # Q8_0: 32-wide blocks
+                    q8 = gguf.GGMLQuantizationType.Q8_0
+                    w.add_tensor(f"blk.{i}.{theirs}", gguf.quants.quantize(a, q8), raw_dtype=q8)
+                else:
+                    w.add_tensor(f"blk.{i}.{theirs}", a)
         kv_b = state[pre + "self_attn.kv_b_proj.weight"]
         if split_kv_b:  # llama.cpp: k_b transposed to (H, rank, nope), v_b (H, v, rank)
             kv = kv_b.view(heads, nope + v_dim, -1)
@@ -161,7 +166,9 @@ def test_deepseek2_gguf_matches_transformers(hf_model, tmp_path, split_kv_b):
 
 def test_deepseek2_q8_experts_run_from_their_blocks(hf_model, tmp_path):
     """Q8_0 experts served from the file's blocks (each expert a GGUFLinear over its rows of the
-    stacked tensor) give the logits of the same file dequantized to float, and 8 greedy tokens."""
+    stacked tensor), with the Q8_0 MLA down-projections (q_a_proj, kv_a_proj_with_mqa) and dense
+    MLP as blocks too, give the logits of the same file dequantized to float, and 8 greedy
+    tokens. (The tiny config's other matrices are narrower than a 32-value Q8_0 block.)"""
     model, _ = hf_model
     path = tmp_path / "tiny-deepseek2-q8.gguf"
     write_deepseek2_gguf(model, path, split_kv_b=True, q8_experts=True)
@@ -169,6 +176,7 @@ def test_deepseek2_q8_experts_run_from_their_blocks(hf_model, tmp_path):
     dense = load_model(path, torch.float32, weight_cache=False)
     expert = blocks.model.model.layers[1].mlp.experts[3]
     assert isinstance(expert.gate_up_proj, GGUFLinear) and isinstance(expert.down_proj, GGUFLinear)
+    assert isinstance(blocks.model.model.layers[0].self_attn.kv_a_proj_with_mqa, GGUFLinear)
     ours, out = paged_prefill_and_greedy(blocks.model, blocks.arch, PROMPTS, max_new=8)
     ref, ref_out = paged_prefill_and_greedy(dense.model, dense.arch, PROMPTS, max_new=8)
     for a, b in zip(ours, ref):
