@@ -264,6 +264,7 @@ def test_qwen3moe_and_mixtral_gguf_match_transformers(tmp_path, family, arch):
     cfg = tiny_config(family)
     if family == "qwen3_moe":
         cfg.mlp_only_layers = []  # a GGUF has no dense-layer list: llama.cpp runs all sparse
+    cfg.sliding_window = None  # released Mixtral GGUFs state none
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

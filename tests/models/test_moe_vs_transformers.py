@@ -92,6 +92,7 @@ def test_arch_is_read_from_config(tiny):
         assert sparse == [0, 2] and arch.qk_norm and arch.moe.norm_topk_prob
     if family == "mixtral":
         assert arch.moe.num_experts == 4 and arch.moe.norm_topk_prob
+        assert set(arch.layer_types) == {"sliding_attention"} and arch.sliding_window == 5
 
 
 @pytest.mark.parametrize(

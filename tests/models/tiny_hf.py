@@ -103,7 +103,7 @@ def _moe_config(family: str, common: dict):
             **moe, num_hidden_layers=3, num_experts=8, norm_topk_prob=True, mlp_only_layers=[1]
         )
     if family == "mixtral":
-        return tf.MixtralConfig(**moe, num_hidden_layers=2, num_local_experts=4)
+        return tf.MixtralConfig(**moe, num_hidden_layers=2, num_local_experts=4, sliding_window=5)
     raise ValueError(family)
 
 
