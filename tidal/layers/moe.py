@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidal.config.arch import MoEConfig
+from tidal.config.moe import MoEConfig
 from tidal.layers.mlp import GatedMLP
 
 
