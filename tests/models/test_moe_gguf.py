@@ -206,7 +206,18 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def write_moe_gguf(model, arch: str, path: Path) -> None:
+def _add(w, name: str, a: np.ndarray, q8: bool) -> None:
+    """A tensor as F32, or as Q8_0 where `q8` and it is a matrix of whole 32-value blocks."""
+    import gguf
+
+    if q8 and a.ndim >= 2 and a.shape[-1] % 32 == 0:
+        q8_0 = gguf.GGMLQuantizationType.Q8_0
+        w.add_tensor(name, gguf.quants.quantize(a, q8_0), raw_dtype=q8_0)
+    else:
+        w.add_tensor(name, np.ascontiguousarray(a))
+
+
+def write_moe_gguf(model, arch: str, path: Path, q8: bool = False) -> None:
     """Qwen3-MoE (`qwen3moe`) or Mixtral (`llama` with experts) as llama.cpp writes them."""
     import gguf
 
@@ -241,7 +252,7 @@ def write_moe_gguf(model, arch: str, path: Path) -> None:
             if arch == "llama" and ours in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 heads = cfg.num_attention_heads if "q_proj" in ours else cfg.num_key_value_heads
                 a = _permute(a, heads)
-            w.add_tensor(f"blk.{i}.{theirs}", np.ascontiguousarray(a))
+            _add(w, f"blk.{i}.{theirs}", a, q8)
         gate, up = state[pre + "mlp.experts.gate_up_proj"].chunk(2, dim=1)
         experts = {
             "gate_proj": gate,
@@ -249,7 +260,7 @@ def write_moe_gguf(model, arch: str, path: Path) -> None:
             "down_proj": state[pre + "mlp.experts.down_proj"],
         }
         for proj, theirs in _EXPERT.items():
-            w.add_tensor(f"blk.{i}.{theirs}.weight", experts[proj].contiguous().numpy())
+            _add(w, f"blk.{i}.{theirs}.weight", experts[proj].contiguous().numpy(), q8)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -282,3 +293,30 @@ def test_qwen3moe_and_mixtral_gguf_match_transformers(tmp_path, family, arch):
         diff = (ours - ref).abs().max().item()
         print(f"{arch} GGUF: max|diff|={diff:.2e}")
         assert diff < 1e-4
+
+
+def test_qwen3moe_q8_blocks_match_the_dequantized_file(tmp_path):
+    """A Q8_0 qwen3moe served from its blocks (experts and attention as GGUFLinear; the C
+    decoder stack stays off for MoE layers, the per-layer modules run) gives the logits and 8
+    greedy tokens of the same file dequantized to float."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tiny_config("qwen3_moe")
+    cfg.mlp_only_layers = []
+    model = tf.AutoModelForCausalLM.from_config(cfg).float().eval()
+    path = tmp_path / "tiny-qwen3moe-q8.gguf"
+    write_moe_gguf(model, "qwen3moe", path, q8=True)
+    blocks = load_model(path, torch.float32, gguf_blocks=True)
+    dense = load_model(path, torch.float32, weight_cache=False)
+    layer = blocks.model.model.layers[0]
+    assert isinstance(layer.mlp.experts[0].gate_up_proj, GGUFLinear)
+    assert isinstance(layer.self_attn.qkv_proj, GGUFLinear)
+    ours, out = paged_prefill_and_greedy(blocks.model, blocks.arch, PROMPTS, max_new=8)
+    ref, ref_out = paged_prefill_and_greedy(dense.model, dense.arch, PROMPTS, max_new=8)
+    assert blocks.model.model.native.steps == 0
+    for a, b in zip(ours, ref):
+        diff = (a - b).abs().max().item()
+        print(f"qwen3moe Q8_0 blocks vs dequantized: max|diff|={diff:.2e}")
+        assert diff < 1e-3
+    assert out == ref_out
