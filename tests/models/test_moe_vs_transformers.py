@@ -113,3 +113,14 @@ def test_bad_moe_settings_are_refused_with_the_field_name(change, message):
     cfg.update(change)
     with pytest.raises(ValueError, match=message):
         arch_from_hf(cfg)
+
+
+def test_a_pre_quantized_checkpoint_is_refused():
+    """DeepSeek-V3/R1's own FP8 checkpoints (per-block scales) cannot be read as floats."""
+    from tests.models.tiny_hf import tiny_config
+    from tidal.config.arch import arch_from_hf
+
+    cfg = tiny_config("deepseek_v3").to_dict()
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(ValueError, match="quant_method='fp8' is not supported"):
+        arch_from_hf(cfg)

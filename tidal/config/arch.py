@@ -174,6 +174,16 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 def arch_from_hf(cfg: dict[str, Any]) -> ArchConfig:
     """Normalize a HF config.json dict."""
+    quant = cfg.get("quantization_config")
+    # "gguf": transformers dequantized a GGUF to float on load, so a saved directory holds floats.
+    if isinstance(quant, dict) and quant.get("quant_method") not in (None, "gguf"):
+        # NOTE: DeepSeek-V3/R1 ship FP8 weights with per-block scales (weight_scale_inv); read
+        # as plain floats they would load without error and compute garbage.
+        raise ValueError(
+            f"quantization_config.quant_method={quant['quant_method']!r} is not supported: "
+            "tidal reads float (float32/bfloat16/float16) safetensors or GGUF files; convert the "
+            "checkpoint to bfloat16 (DeepSeek's fp8_cast_bf16.py does for V3/R1) or to GGUF"
+        )
     names = list(cfg.get("architectures") or []) + [cfg.get("model_type", "")]
     family = next((family_of(n) for n in names if n in _FAMILY_BY_NAME), None)
     if family is None:
