@@ -26,8 +26,9 @@ class PagedBatch:
         self.layout = KVLayout.from_layer_windows(
             arch.layer_windows(),
             block_size=block_size,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
+            num_kv_heads=arch.kv_cache_heads,
+            head_dim=arch.kv_cache_head_dim,
+            parts=arch.kv_cache_parts,
             dtype_bytes=dtype.itemsize,
         )
         blocks_per_seq = -(-max_len // block_size)

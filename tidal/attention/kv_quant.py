@@ -70,11 +70,12 @@ def allocate_quantized_pool(
     head_dim: int,
     kv_dtype: str,
     device: torch.device | str,
+    parts: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed (data, scale) pools shaped (layers_per_group, 2, num_blocks, block_size, KVH[, D])."""
+    """Zeroed (data, scale) pools shaped (layers_per_group, parts, num_blocks, block_size, KVH[, D])."""
     if kv_dtype not in _STORAGE:
         raise ValueError(f"kv_cache_dtype={kv_dtype!r} is invalid: expected int8 or fp8")
-    shape = (layers_per_group, 2, num_blocks, block_size, num_kv_heads)
+    shape = (layers_per_group, parts, num_blocks, block_size, num_kv_heads)
     data = torch.zeros((*shape, head_dim), dtype=_STORAGE[kv_dtype], device=device)
     # Scale 1 keeps never-written slots (the null block) finite and equal to 0 after dequantizing.
     scale = torch.ones(shape, dtype=torch.float32, device=device)

@@ -110,7 +110,7 @@ def _pages(cache: KVPages, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Te
     """The pages `blocks` as floats: blocks.shape + (block_size, KVH, D)."""
     if isinstance(cache, QuantizedKV):
         return cache.gather(blocks, dtype)
-    return cache[blocks]
+    return cache[blocks].to(dtype)  # bfloat16 pages under float32 compute widen here; else a no-op
 
 
 def _attend(

@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tidal.config.moe import (
+    MLA_FAMILIES,
+    MLAConfig,
+    MoEConfig,
+    deepseek2_from_gguf,
+    mla_from_hf,
+    moe_from_hf,
+)
+
 FULL = "full_attention"
 SLIDING = "sliding_attention"
 
@@ -22,6 +31,16 @@ _FAMILY_BY_NAME = {
     "Qwen2ForCausalLM": "qwen2",
     "qwen3": "qwen3",
     "Qwen3ForCausalLM": "qwen3",
+    "qwen3_moe": "qwen3_moe",
+    "qwen3moe": "qwen3_moe",  # llama.cpp's GGUF architecture name
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "mixtral": "mixtral",
+    "MixtralForCausalLM": "mixtral",
+    "deepseek_v2": "deepseek_v2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "deepseek_v3": "deepseek_v3",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "deepseek2": "deepseek_v2",  # llama.cpp's one GGUF architecture for DeepSeek V2 and V3
 }
 
 
@@ -38,7 +57,7 @@ class RopeConfig:
 
 @dataclass(frozen=True, slots=True)
 class ArchConfig:
-    family: str  # "gemma3" | "llama" | "mistral" | "qwen2" | "qwen3"
+    family: str  # a value of _FAMILY_BY_NAME: "gemma3", "llama", ..., "deepseek_v3"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -61,6 +80,25 @@ class ArchConfig:
     attn_logit_softcapping: float | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Mixture of experts: the router and expert sizes, and which layers are sparse (the others
+    # run the dense GatedMLP of intermediate_size).
+    moe: MoEConfig | None = None
+    moe_layers: tuple[int, ...] = ()
+    mla: MLAConfig | None = None
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """Heads one token stores per layer: MLA's latent is one shared head."""
+        return 1 if self.mla else self.num_kv_heads
+
+    @property
+    def kv_cache_head_dim(self) -> int:
+        return self.mla.latent_dim if self.mla else self.head_dim
+
+    @property
+    def kv_cache_parts(self) -> int:
+        """2: separate K and V pages; 1: MLA's latent is both."""
+        return 1 if self.mla else 2
 
     @property
     def attn_scale(self) -> float:
@@ -84,6 +122,12 @@ class ArchConfig:
             )
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a positive sliding_window")
+        if self.moe_layers and self.moe is None:
+            raise ValueError("moe_layers are set without a MoEConfig")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+            raise ValueError(
+                f"moe_layers={self.moe_layers} name layers outside 0..{self.num_layers - 1}"
+            )
 
 
 def family_of(name: str) -> str:
@@ -130,6 +174,16 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 def arch_from_hf(cfg: dict[str, Any]) -> ArchConfig:
     """Normalize a HF config.json dict."""
+    quant = cfg.get("quantization_config")
+    # "gguf": transformers dequantized a GGUF to float on load, so a saved directory holds floats.
+    if isinstance(quant, dict) and quant.get("quant_method") not in (None, "gguf"):
+        # NOTE: DeepSeek-V3/R1 ship FP8 weights with per-block scales (weight_scale_inv); read
+        # as plain floats they would load without error and compute garbage.
+        raise ValueError(
+            f"quantization_config.quant_method={quant['quant_method']!r} is not supported: "
+            "tidal reads float (float32/bfloat16/float16) safetensors or GGUF files; convert the "
+            "checkpoint to bfloat16 (DeepSeek's fp8_cast_bf16.py does for V3/R1) or to GGUF"
+        )
     names = list(cfg.get("architectures") or []) + [cfg.get("model_type", "")]
     family = next((family_of(n) for n in names if n in _FAMILY_BY_NAME), None)
     if family is None:
@@ -148,9 +202,9 @@ def arch_from_hf(cfg: dict[str, Any]) -> ArchConfig:
         if not layer_types:
             pattern = int(cfg.get("sliding_window_pattern", cfg.get("_sliding_window_pattern", 6)))
             layer_types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(num_layers)]
-    elif family == "mistral":
+    elif family in ("mistral", "mixtral"):
         layer_types = [SLIDING if window else FULL] * num_layers
-    elif family in ("qwen2", "qwen3"):
+    elif family in ("qwen2", "qwen3", "qwen3_moe"):
         if not cfg.get("use_sliding_window") or not window:
             layer_types = [FULL] * num_layers
             window = None
@@ -162,6 +216,10 @@ def arch_from_hf(cfg: dict[str, Any]) -> ArchConfig:
     if SLIDING not in layer_types:
         window = None
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+    moe, moe_layers = moe_from_hf(cfg, family, num_layers)
+    mla = mla_from_hf(cfg) if family in MLA_FAMILIES else None
+    if mla is not None:
+        head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     return ArchConfig(
         family=family,
         vocab_size=int(cfg["vocab_size"]),
@@ -178,13 +236,16 @@ def arch_from_hf(cfg: dict[str, Any]) -> ArchConfig:
         sliding_window=int(window) if window else None,
         hidden_act=act,
         qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
-        qk_norm=family in ("gemma3", "qwen3"),
+        qk_norm=family in ("gemma3", "qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family == "gemma3")),
         query_pre_attn_scalar=cfg.get("query_pre_attn_scalar"),
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
         attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=_ids(cfg.get("eos_token_id")),
+        moe=moe,
+        moe_layers=moe_layers,
+        mla=mla,
     )
 
 
@@ -201,6 +262,9 @@ def arch_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ArchConfig:
     def key(name: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{name}", default)
 
+    if family == "llama" and key("expert_count"):  # llama.cpp writes Mixtral as llama + experts
+        family = "mixtral"
+
     num_layers = int(key("block_count"))
     hidden = int(key("embedding_length"))
     num_heads = int(key("attention.head_count"))
@@ -214,6 +278,19 @@ def arch_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ArchConfig:
     scaling_type = key("rope.scaling.type")
     if scaling_type == "linear":
         scaling = {"rope_type": "linear", "factor": float(key("rope.scaling.factor", 1.0))}
+    elif scaling_type == "yarn" and family in MLA_FAMILIES:
+        # llama.cpp stores DeepSeek's 0.1 * mscale_all_dim as the log multiplier, and not
+        # mscale: its released configs have mscale == mscale_all_dim (cos/sin factor 1).
+        mscale = float(key("rope.scaling.yarn_log_multiplier", 0.1)) / 0.1
+        scaling = {
+            "rope_type": "yarn",
+            "factor": float(key("rope.scaling.factor")),
+            "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+            "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+            "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": mscale,
+            "mscale_all_dim": mscale,
+        }
     elif scaling_type not in (None, "none"):
         raise ValueError(f"GGUF rope.scaling.type={scaling_type!r} is not supported")
     rope_full = RopeConfig(theta, tuple(sorted(scaling.items())))
@@ -234,12 +311,27 @@ def arch_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ArchConfig:
         act = "silu"
     if SLIDING not in layer_types:
         window = None
+    mla = moe = None
+    moe_layers: tuple[int, ...] = ()
+    if family in MLA_FAMILIES:
+        mla, moe, moe_layers = deepseek2_from_gguf(key, num_layers)
+        head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        num_kv = num_heads  # llama.cpp's MQA form says 1: the one latent head
+    elif family in ("qwen3_moe", "mixtral"):
+        # llama.cpp runs every layer sparse and renormalizes the top-k weights for both.
+        moe = MoEConfig(
+            num_experts=int(key("expert_count")),
+            top_k=int(key("expert_used_count")),
+            intermediate_size=int(key("expert_feed_forward_length") or key("feed_forward_length")),
+            norm_topk_prob=True,
+        )
+        moe_layers = tuple(range(num_layers))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     return ArchConfig(
         family=family,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        intermediate_size=int(key("feed_forward_length", moe.intermediate_size if moe else 0)),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=int(num_kv),
@@ -251,11 +343,14 @@ def arch_from_gguf(meta: dict[str, Any], has_output_tensor: bool) -> ArchConfig:
         sliding_window=int(window) if window else None,
         hidden_act=act,
         qkv_bias=family == "qwen2",
-        qk_norm=family in ("gemma3", "qwen3"),
+        qk_norm=family in ("gemma3", "qwen3", "qwen3_moe"),
         tie_word_embeddings=not has_output_tensor,
         query_pre_attn_scalar=query_pre_attn_scalar,
         final_logit_softcapping=key("final_logit_softcapping"),
         attn_logit_softcapping=key("attn_logit_softcapping"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_ids(eos),
+        moe=moe,
+        moe_layers=moe_layers,
+        mla=mla,
     )

@@ -75,8 +75,10 @@ def build_engine(
     from concurrent.futures import ThreadPoolExecutor
 
     from tidal.loader.model_loader import read_arch
+    from tidal.models.registry import check_tensor_parallel
 
     arch = read_arch(path)[0]
+    check_tensor_parallel(arch, tp)
     group = None
     if tp > 1:
         from tidal.loader.shard import ShardPlan

@@ -71,8 +71,9 @@ class EngineCore:
         self.layout = KVLayout.from_layer_windows(
             arch.layer_windows(),
             block_size=config.cache.block_size,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
+            num_kv_heads=arch.kv_cache_heads,
+            head_dim=arch.kv_cache_head_dim,
+            parts=arch.kv_cache_parts,
             dtype_bytes=kv_dtype.itemsize,
             kv_dtype=config.cache.kv_cache_dtype,
         )
@@ -227,7 +228,9 @@ class EngineCore:
                 self._forget(parent)
         step_s = time.perf_counter() - start
         self.scheduler.record_step(sched, step_s)
-        self.last_stats = StepStats.from_step(self.scheduler.stats, sched, step_s, self.kv)
+        self.last_stats = StepStats.from_step(
+            self.scheduler.stats, sched, step_s, self.kv, result.moe_expert_tokens
+        )
         if self.on_step is not None:
             self.on_step(self.last_stats)
         return outputs

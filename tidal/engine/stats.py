@@ -46,10 +46,17 @@ class StepStats:
     cost_coefficients: tuple[float, ...]
     # The controller's headroom (its hysteresis state; 1.0 unless a TPOT target corrected it).
     headroom: float
+    # MoE models: tokens routed to each expert this step, summed over the sparse layers (empty
+    # for dense models); /metrics turns it into the expert-load histogram.
+    moe_expert_tokens: tuple[int, ...] = ()
 
     @staticmethod
     def from_step(
-        s: SchedulerStats, sched: SchedulerOutput, step_time_s: float, kv: KVCacheManager
+        s: SchedulerStats,
+        sched: SchedulerOutput,
+        step_time_s: float,
+        kv: KVCacheManager,
+        moe_expert_tokens: tuple[int, ...] = (),
     ) -> StepStats:
         budget = max(1, s.token_budget)
         return StepStats(
@@ -80,4 +87,5 @@ class StepStats:
             attended_keys=s.attended_keys,
             cost_coefficients=s.cost_coefficients,
             headroom=s.headroom,
+            moe_expert_tokens=moe_expert_tokens,
         )

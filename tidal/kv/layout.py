@@ -36,6 +36,7 @@ class KVLayout:
     head_dim: int
     dtype_bytes: int  # bytes per element of the model's float dtype ("auto" storage)
     kv_dtype: str = "auto"
+    parts: int = 2  # 2: K and V pages; 1: one latent page (MLA)
 
     @property
     def quantized(self) -> bool:
@@ -62,7 +63,12 @@ class KVLayout:
             per_head = self.head_dim * 2
         else:
             per_head = self.head_dim * self.dtype_bytes
-        return 2 * self.layers_per_group * self.block_size * self.num_kv_heads * per_head
+        return self.parts * self.layers_per_group * self.block_size * self.num_kv_heads * per_head
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token costs across all layers (a full-attention model's figure)."""
+        return self.page_bytes * len(self.groups) // self.block_size
 
     def layer_slot(self, layer_id: int) -> tuple[int, int]:
         """(group index, slot within the page) of a layer."""
@@ -80,6 +86,7 @@ class KVLayout:
         head_dim: int,
         dtype_bytes: int,
         kv_dtype: str = "auto",
+        parts: int = 2,
     ) -> KVLayout:
         """Group layers by window; each group holds gcd(class sizes) layers, in layer order."""
         if block_size <= 0:
@@ -88,6 +95,8 @@ class KVLayout:
             raise ValueError(
                 f"kv_cache_dtype={kv_dtype!r} is invalid: expected one of {', '.join(KV_CACHE_DTYPES)}"
             )
+        if parts not in (1, 2):
+            raise ValueError(f"parts={parts} is invalid: expected 1 (a latent page) or 2 (K and V)")
         classes: dict[int | None, list[int]] = {}
         for layer_id, window in enumerate(windows):
             classes.setdefault(window, []).append(layer_id)
@@ -100,4 +109,6 @@ class KVLayout:
                 groups.append(KVGroupSpec(tuple(layer_ids[i : i + size]), window))
         # Full-attention groups first: they decide prefix-cache hits, see kv/manager.py.
         groups.sort(key=lambda g: (g.sliding_window is not None, g.layer_ids[0]))
-        return KVLayout(tuple(groups), block_size, num_kv_heads, head_dim, dtype_bytes, kv_dtype)
+        return KVLayout(
+            tuple(groups), block_size, num_kv_heads, head_dim, dtype_bytes, kv_dtype, parts
+        )

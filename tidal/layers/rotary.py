@@ -1,4 +1,4 @@
-"""Rotary position embedding (rotate-half layout) with Llama 3.1 and linear frequency scaling."""
+"""Rotary position embedding (rotate-half or interleaved pairs) with Llama 3.1, linear and YaRN scaling."""
 
 from __future__ import annotations
 
@@ -32,7 +32,51 @@ def inv_frequencies(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_type={kind!r} is not supported (default, linear, llama3)")
+    if kind == "yarn":
+        return _yarn_inv_frequencies(head_dim, rope.theta, scaling)
+    raise ValueError(f"rope_type={kind!r} is not supported (default, linear, llama3, yarn)")
+
+
+def _yarn_inv_frequencies(dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071) as transformers computes it: dimensions that rotate fewer than
+    beta_slow times over the original context are interpolated by `factor`, those rotating more
+    than beta_fast times are kept, with a linear ramp between."""
+    factor = float(scaling["factor"])
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no singularity
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (original frequency), 0: interpolate
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_factor(rope: RopeConfig) -> float:
+    """The factor YaRN multiplies cos and sin by (1 for the other kinds)."""
+    scaling = rope.scaling_dict()
+    if scaling.get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+    return yarn_mscale(factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -40,6 +84,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.rope = head_dim, rope
         self.register_buffer("inv_freq", inv_frequencies(head_dim, rope), persistent=False)
+        self.scale = attention_factor(rope)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -47,6 +92,8 @@ class RotaryEmbedding(nn.Module):
         """cos, sin of shape (T, head_dim), computed in float32 and cast like transformers does."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
+        if self.scale != 1.0:
+            return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -55,3 +102,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (T, heads, D) whose rotary pairs are adjacent elements (x0, x1), (x2, x3), ...; the
+    result lists the pairs' first elements, then their second ones (rotate-half layout), as
+    transformers' DeepSeek does: a dot product of two rotated vectors is the same either way."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, None, :half], sin[:, None, :half]  # cos/sin are cat(f, f): the first half
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)

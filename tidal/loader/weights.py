@@ -28,6 +28,23 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # DeepSeek V2/V3 (llama.cpp's deepseek2): MLA projections, router, shared experts
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+# Routed experts are stacked in one (experts, rows, cols) tensor per projection in GGUF files.
+_GGUF_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 _GGUF_GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -35,6 +52,15 @@ _GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# Mixtral's checkpoints name the MoE block and its experts' projections differently from the
+# DeepSeek / Qwen3-MoE layout tidal's SparseMoE uses (mlp.experts.N.gate_proj, ...).
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
+_MIXTRAL_PROJ = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+
+
+def _mixtral_to_tidal_name(name: str) -> str:
+    name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJ[m[2]]}.", name)
+    return name.replace(".block_sparse_moe.gate.", ".mlp.gate.")
 
 
 def gguf_to_hf_name(name: str, family: str) -> str | None:
@@ -45,6 +71,10 @@ def gguf_to_hf_name(name: str, family: str) -> str | None:
     if not m:
         return None
     layer, short, kind = m.groups()
+    if short == "exp_probs_b":  # DeepSeek-V3's routing bias, stored as a ".bias"
+        return f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    if short in _GGUF_EXPERT_NAMES:  # a template: format() it with the expert index
+        return f"model.layers.{layer}.mlp.experts.{{}}.{_GGUF_EXPERT_NAMES[short]}.{kind}"
     if family == "gemma3":
         # Gemma's four norms: attn_norm, post_attention_norm, ffn_norm (pre-FFN), post_ffw_norm.
         gemma = {
@@ -85,8 +115,16 @@ def iter_gguf_weights(
 
     with GGUFFile(path) as f:
         for name, info in f.tensors.items():
+            if name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+                kv_b = _joined_kv_b(f, name, arch)
+                if kv_b is not None:
+                    yield kv_b
+                continue
             hf = gguf_to_hf_name(name, arch.family)
             if hf is None:
+                continue
+            if "{}" in hf:  # stacked routed experts: one 2-D weight per expert
+                yield from _split_experts(f, name, hf, keep_blocks)
                 continue
             permuted = gguf_arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight"))
             if (
@@ -111,6 +149,48 @@ def iter_gguf_weights(
             yield hf, t
 
 
+def _split_experts(
+    f, name: str, template: str, keep_blocks: Callable[[str], bool] | None
+) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:
+    """A stacked (experts, rows, cols) GGUF tensor as each expert's weight: a BlockWeight over
+    its rows of the file's bytes where the kernels read the type, else dequantized."""
+    from tidal.kernels.gguf_gemm import SUPPORTED_TYPES, BlockWeight
+
+    info = f.tensors[name]
+    num_experts, rows, cols = info.shape
+    if keep_blocks is not None and int(info.ggml_type) in SUPPORTED_TYPES:
+        blocks = torch.from_numpy(f.raw(name)).view(num_experts, rows, -1)
+        for e in range(num_experts):
+            hf = template.format(e)
+            if keep_blocks(hf):
+                yield hf, BlockWeight(blocks[e], int(info.ggml_type), rows, cols)
+            else:
+                yield hf, f.load_tensor(name, torch.float32)[e]
+        return
+    stacked = f.load_tensor(name, torch.float32)  # (E, rows, cols)
+    for e in range(num_experts):
+        yield template.format(e), stacked[e]
+
+
+def _joined_kv_b(f, name: str, arch: ArchConfig) -> tuple[str, torch.Tensor] | None:
+    """Newer llama.cpp files split DeepSeek's kv_b_proj into attn_k_b (H, rank, nope) and
+    attn_v_b (H, v, rank); join them back into kv_b_proj (H * (nope + v), rank) once the
+    second arrives. None: a file with attn_kv_b itself (that one is used), or the first half."""
+    prefix = name.rsplit(".", 2)[0]  # blk.N
+    if f"{prefix}.attn_kv_b.weight" in f.tensors or arch.mla is None:
+        return None
+    k_name, v_name = f"{prefix}.attn_k_b.weight", f"{prefix}.attn_v_b.weight"
+    if name != max(k_name, v_name, key=list(f.tensors).index):
+        return None
+    if k_name not in f.tensors or v_name not in f.tensors:
+        raise ValueError(f"{f.path}: {prefix} has only one of attn_k_b and attn_v_b")
+    k_b = f.load_tensor(k_name, torch.float32).transpose(1, 2)  # (H, nope, rank)
+    v_b = f.load_tensor(v_name, torch.float32)  # (H, v, rank)
+    kv_b = torch.cat((k_b, v_b), dim=1)  # (H, nope + v, rank)
+    layer = prefix.split(".")[1]
+    return f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b.reshape(-1, kv_b.shape[-1])
+
+
 def iter_safetensors_weights(
     model_dir: Path, slice_of: Callable[[str], TensorSlice | None] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -133,6 +213,8 @@ def iter_safetensors_weights(
                     hf = hf[len("language_model.") :]
                 if hf.startswith("model.language_model."):
                     hf = "model." + hf[len("model.language_model.") :]
+                if ".block_sparse_moe." in hf:
+                    hf = _mixtral_to_tidal_name(hf)
                 part = None if slice_of is None else slice_of(hf)
                 if part is None:
                     yield hf, f.get_tensor(name)

@@ -1,4 +1,5 @@
-"""The Llama family: Llama 2/3/3.1, Mistral (sliding window), Qwen2/2.5 (qkv bias), Qwen3 (q/k norm)."""
+"""The Llama family: Llama 2/3/3.1, Mistral (sliding window), Qwen2/2.5 (qkv bias), Qwen3 (q/k norm),
+and its mixture-of-experts variants Mixtral and Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from tidal.attention.metadata import AttentionMetadata
 from tidal.config.arch import ArchConfig
 from tidal.layers.attention import CosSin, KVCache, SelfAttention
 from tidal.layers.mlp import GatedMLP
+from tidal.layers.moe import SparseMoE
 from tidal.layers.native_decoder import NativeDecoder
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import RotaryEmbedding
@@ -20,7 +22,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_attn = SelfAttention(arch, layer_id, kv_group)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
+        self.mlp: nn.Module
+        if layer_id in arch.moe_layers:  # Mixtral's block_sparse_moe is renamed mlp on load
+            assert arch.moe is not None
+            self.mlp = SparseMoE(arch.hidden_size, arch.moe, arch.hidden_act)
+        else:
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act)
 
     def forward(
         self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata, kv_cache: KVCache
@@ -42,6 +49,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.native = NativeDecoder(self.layers, sorted(self.rotary))
+        if arch.moe_layers:  # the C decoder stack runs dense MLPs only
+            self.native.enabled = False
 
 
 class LlamaForCausalLM(nn.Module):

@@ -29,6 +29,7 @@ _ITL_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.4, 0.8, 1.6, 5.0,
 )  # fmt: skip
 _TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_EXPERT_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 
@@ -79,6 +80,8 @@ class ServerMetrics:
                 self.slo_attainment.labels(slo=slo).set(1.0)
         self._slo_counts: dict[str, list[int]] = {slo: [0, 0] for slo in self.targets_s}
         self.iteration_tokens = Histogram("tidal:iteration_tokens", "Tokens scheduled per step.", buckets=_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.moe_expert_tokens = Histogram("tidal:moe_expert_tokens", "MoE models: tokens routed to one expert in one step, summed over the sparse layers (one observation per expert per step).", buckets=_EXPERT_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.moe_imbalance = Gauge("tidal:moe_expert_load_imbalance", "MoE models: the last step's busiest expert's tokens over the mean per expert (1: even).", registry=r)  # fmt: skip
         self.step_duration = Histogram("tidal:step_duration_seconds", "Wall time of one engine step.", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
         self.process_memory = Gauge("tidal:process_memory_bytes", "Resident memory of the server process.", registry=r)  # fmt: skip
         self.memory_fraction = Gauge("tidal:memory_fraction", "Used / total memory of the serving device (RAM on CPU).", registry=r)  # fmt: skip
@@ -148,6 +151,11 @@ class ServerMetrics:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.step_duration.observe(stats.step_time_s)
             self.step_predicted.observe(stats.predicted_step_s)
+        if stats.moe_expert_tokens and any(stats.moe_expert_tokens):
+            for n in stats.moe_expert_tokens:
+                self.moe_expert_tokens.observe(n)
+            mean = sum(stats.moe_expert_tokens) / len(stats.moe_expert_tokens)
+            self.moe_imbalance.set(max(stats.moe_expert_tokens) / mean)
 
     def observe_slo(self, ttft_s: float | None, tpot_s: float | None) -> None:
         """Judge one finished request against the configured targets (a request with one output

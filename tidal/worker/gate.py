@@ -106,8 +106,9 @@ def score_tokens(
     layout = KVLayout.from_layer_windows(
         arch.layer_windows(),
         block_size=BLOCK_SIZE,
-        num_kv_heads=arch.num_kv_heads,
-        head_dim=arch.head_dim,
+        num_kv_heads=arch.kv_cache_heads,
+        head_dim=arch.kv_cache_head_dim,
+        parts=arch.kv_cache_parts,
         dtype_bytes=kv_dtype.itemsize,
         kv_dtype=kv_cache_dtype,
     )

@@ -9,6 +9,7 @@ import torch
 
 from tidal.attention.metadata import build_metadata
 from tidal.kv.layout import KVLayout
+from tidal.layers.moe import SparseMoE
 from tidal.layers.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from tidal.loader.model_loader import LoadedModel
 from tidal.scheduler.output import SchedulerOutput
@@ -35,6 +36,8 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> [(position p, logprobs of token p given tokens < p), ...]
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+    # MoE models: tokens routed to each expert this step, summed over the sparse layers.
+    moe_expert_tokens: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -69,6 +72,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(layout, num_blocks, kv_dtype, self.device)
         self.sampler = Sampler(loaded.arch.vocab_size, self.device)
         self._generators: dict[str, torch.Generator] = {}
+        self._moe_layers = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
@@ -155,6 +159,9 @@ class ModelRunner:
         if on_inputs is not None:
             on_inputs(inputs)
         logits = self.forward(inputs)
+        if self._moe_layers:
+            counts = [m.last_expert_tokens for m in self._moe_layers]
+            out.moe_expert_tokens = tuple(torch.stack(counts).sum(dim=0).tolist())
         if rows:
             assert logits.sample is not None
             result = self.sampler(logits.sample, rows)

@@ -1,0 +1,120 @@
+"""Paged multi-head latent attention (DeepSeek V2/V3) over a cache of latents, in PyTorch."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tidal.attention.metadata import AttentionMetadata
+from tidal.attention.torch_paged import KVPages, _pages, _write
+
+
+class MLAPagedAttention:
+    """Each cached token is one vector [c (kv_lora_rank) | k_pe (rope dim)]: the normed KV latent
+    and the rotated shared key. With W_UK (H, nope, rank) and W_UV (H, v, rank) the halves of
+    kv_b_proj, head h's key is [W_UK[h] c | k_pe] and its value W_UV[h] c.
+
+    - A sequence with one new token (decode) attends over the latents directly: the query is
+      absorbed, q' = [q_nope W_UK[h] | q_pe] (H, rank + rope), the output o' (H, rank) comes
+      back through W_UV; the cache is never expanded.
+    - A sequence with several new tokens (prefill chunks) expands its context's latents to
+      per-head keys and values (the cheaper form when many queries share them).
+
+    Which form a sequence takes depends on its own query count only, never on the batch.
+    """
+
+    def forward(
+        self,
+        q_nope: torch.Tensor,  # (T, H, nope)
+        q_pe: torch.Tensor,  # (T, H, rope), rotated
+        latent: torch.Tensor,  # (T, rank + rope): [c | k_pe rotated]
+        cache: KVPages,  # (num_blocks, block_size, 1, rank + rope)
+        meta: AttentionMetadata,
+        group: int,
+        w_uk: torch.Tensor,  # (H, nope, rank)
+        w_uv: torch.Tensor,  # (H, v, rank)
+        scale: float,
+    ) -> torch.Tensor:
+        """(T, H, v) attention outputs, before o_proj."""
+        tables = meta.groups[group]
+        _write(cache, tables.slot_mapping, latent[:, None, :])
+        num_tokens, heads, _ = q_nope.shape
+        out = q_nope.new_empty(num_tokens, heads, w_uv.shape[1])
+        decode = [i for i in range(meta.num_seqs) if meta.query_lens[i] == 1]
+        if decode:
+            rows = [meta.query_start[i] for i in decode]
+            out[rows] = self._decode(
+                q_nope[rows], q_pe[rows], cache, meta, tables.block_tables[decode], decode,
+                w_uk, w_uv, scale,
+            )  # fmt: skip
+        for i in range(meta.num_seqs):
+            if meta.query_lens[i] == 1:
+                continue
+            s, n_q = meta.query_start[i], meta.query_lens[i]
+            out[s : s + n_q] = self._prefill(
+                q_nope[s : s + n_q], q_pe[s : s + n_q], cache, meta, tables.block_tables[i], i,
+                w_uk, w_uv, scale,
+            )  # fmt: skip
+        return out
+
+    def _decode(
+        self,
+        q_nope: torch.Tensor,  # (B, H, nope)
+        q_pe: torch.Tensor,  # (B, H, rope)
+        cache: KVPages,
+        meta: AttentionMetadata,
+        block_tables: torch.Tensor,  # (B, max_blocks)
+        seqs: list[int],
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        bs = meta.block_size
+        rank = w_uk.shape[2]
+        ctx = torch.tensor([meta.context_lens[i] for i in seqs], device=q_nope.device)  # (B,)
+        num_blocks = int((ctx.max() - 1) // bs + 1)
+        pages = _pages(cache, block_tables[:, :num_blocks], q_nope.dtype)
+        lat = pages.reshape(len(seqs), num_blocks * bs, -1)  # (B, S, rank + rope)
+        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # (B, H, rank)
+        q = torch.cat((q_lat, q_pe), dim=-1)  # (B, H, rank + rope)
+        scores = (q @ lat.transpose(1, 2)).float() * scale  # (B, H, S)
+        k_pos = torch.arange(num_blocks * bs, device=q.device)[None, :]  # (1, S)
+        scores = scores.masked_fill(~(k_pos < ctx[:, None])[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        o_lat = probs @ lat[..., :rank]  # (B, H, rank)
+        return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)  # (B, H, v)
+
+    def _prefill(
+        self,
+        q_nope: torch.Tensor,  # (n_q, H, nope)
+        q_pe: torch.Tensor,  # (n_q, H, rope)
+        cache: KVPages,
+        meta: AttentionMetadata,
+        block_table: torch.Tensor,  # (max_blocks,)
+        seq: int,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        bs = meta.block_size
+        rank = w_uk.shape[2]
+        n_q, ctx = meta.query_lens[seq], meta.context_lens[seq]
+        num_blocks = (ctx - 1) // bs + 1
+        lat = _pages(cache, block_table[:num_blocks], q_nope.dtype).reshape(-1, lat_dim(cache))
+        lat = lat[:ctx]  # (S, rank + rope): cached prefix, earlier chunks and this chunk
+        c, k_pe = lat[:, :rank], lat[:, rank:]
+        heads = q_nope.shape[1]
+        k_nope = torch.einsum("sr,hnr->hsn", c, w_uk)  # (H, S, nope)
+        values = torch.einsum("sr,hvr->hsv", c, w_uv)  # (H, S, v)
+        keys = torch.cat((k_nope, k_pe[None].expand(heads, -1, -1)), dim=-1)  # (H, S, nope+rope)
+        q = torch.cat((q_nope, q_pe), dim=-1).transpose(0, 1)  # (H, n_q, nope + rope)
+        q_pos = torch.arange(ctx - n_q, ctx, device=q.device)[:, None]  # (n_q, 1)
+        k_pos = torch.arange(ctx, device=q.device)[None, :]  # (1, S)
+        o = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=(k_pos <= q_pos)[None], scale=scale
+        )  # (H, n_q, v)
+        return o.transpose(0, 1)
+
+
+def lat_dim(cache: KVPages) -> int:
+    return int(cache.shape[-1])

@@ -1,0 +1,102 @@
+"""SparseMoE: a router picks each token's top-k experts; each expert runs once on its tokens."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidal.config.moe import MoEConfig
+from tidal.layers.mlp import GatedMLP
+
+
+class Router(nn.Module):
+    """The gate: weight (E, hidden) and, for DeepSeek-V3, e_score_correction_bias (E,). Not an
+    nn.Linear, so quantization leaves it in float32: routing decides which experts run, and a
+    flipped choice changes a token's output far more than rounding a matmul does."""
+
+    def __init__(self, hidden: int, moe: MoEConfig) -> None:
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden), requires_grad=False)
+        if moe.score_bias:
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(moe.num_experts), requires_grad=False
+            )
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(T, hidden) -> (weights (T, k) float32, expert ids (T, k) int64), per token only: a
+        token's choice never depends on the other tokens of the step (no capacity limit)."""
+        moe = self.moe
+        logits = x.float() @ self.weight.float().t()  # (T, E)
+        scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores
+        if self.e_score_correction_bias is not None:
+            choice = scores + self.e_score_correction_bias.float()
+        if moe.num_groups > 1:
+            grouped = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)
+            if moe.score_bias:  # DeepSeek-V3: a group scores its two best experts, summed
+                group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+            else:  # DeepSeek-V2's group_limited_greedy: its best expert
+                group_scores = grouped.amax(dim=-1)
+            keep = group_scores.topk(moe.topk_groups, dim=-1, sorted=False)[1]  # (T, G')
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
+            group_mask.scatter_(1, keep, True)
+            expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(-1, moe.num_experts)
+            choice = choice.masked_fill(~expert_mask, float("-inf"))
+        ids = choice.topk(moe.top_k, dim=-1, sorted=False)[1]  # (T, k)
+        weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            denominator = weights.sum(dim=-1, keepdim=True)
+            if moe.scoring == "sigmoid":
+                denominator = denominator + 1e-20  # as DeepSeek-V3
+            weights = weights / denominator
+        return weights * moe.routed_scaling_factor, ids
+
+
+class SparseMoE(nn.Module):
+    """Routed experts (GatedMLPs, HF names `experts.N.gate_proj`, ...) plus optional shared
+    experts that every token runs. Each expert is a GatedMLP, so its linears take the same
+    fusion, quantization swap and GGUF blocks as a dense MLP's."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, act: str) -> None:
+        super().__init__()
+        self.num_experts = moe.num_experts
+        self.gate = Router(hidden, moe)
+        self.experts = nn.ModuleList(
+            GatedMLP(hidden, moe.intermediate_size, act) for _ in range(moe.num_experts)
+        )
+        self.shared_experts = (
+            GatedMLP(hidden, moe.shared_intermediate_size, act)
+            if moe.shared_intermediate_size
+            else None
+        )
+        # Tokens routed to each expert in the last forward (E,) int64, for the step's MoE stats.
+        self.last_expert_tokens: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_tokens, hidden = x.shape
+        weights, ids = self.gate(x)  # (T, k) each
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)  # (T * k,): entry j is token j // k's choice j % k
+        # Group the (token, choice) pairs by expert: one gather and one GatedMLP call per expert
+        # that has tokens, in expert order, so a token sums its experts in the same order
+        # whatever else is in the batch.
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.last_expert_tokens = counts
+        token_of = order // top_k  # (T * k,) token index of each sorted pair
+        pair_weight = weights.reshape(-1)[order].to(x.dtype)  # (T * k,)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert_id, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            rows = token_of[start : start + n]
+            y = self.experts[expert_id](x[rows])  # (n, hidden)
+            out.index_add_(0, rows, y * pair_weight[start : start + n, None])
+            start += n
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.view(num_tokens, hidden)
