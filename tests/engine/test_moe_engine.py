@@ -167,6 +167,21 @@ def test_int8_latent_cache_runs(model_dir, reference):
     assert [o.outputs[0].token_ids[0] for o in outs] == [e[0] for e in expected[:2]]
 
 
+def test_bfloat16_latent_cache_runs(model_dir, reference):
+    """16-bit latent pages under float32 compute: 2 bytes a value, read back widened."""
+    prompts, expected = reference
+    llm = LLM(
+        str(model_dir), kv_cache_bytes=1 << 20, block_size=8, kv_cache_dtype="bfloat16",
+        quantization_gate=False,
+    )  # fmt: skip
+    arch, layout = llm.engine.loaded.arch, llm.engine.layout
+    latent = arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim
+    assert layout.bytes_per_token == latent * 2 * arch.num_layers
+    outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=PARAMS)
+    assert [o.outputs[0].token_ids[0] for o in outs] == [e[0] for e in expected[:2]]
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
+
+
 def test_moe_output_does_not_depend_on_the_batch(model_dir):
     """A token's routed experts are the same alone and among 40 other tokens, and its output
     differs only by the float32 rounding of a matmul over a different number of rows (as a
