@@ -74,7 +74,9 @@ def serve(cfg: TidalConfig) -> int:
     sock = _bind(cfg.server.host, cfg.server.port)
     sched = cfg.engine.scheduler
     metrics = ServerMetrics(
-        target_ttft_ms=sched.target_ttft_ms, target_tpot_ms=sched.target_tpot_ms
+        target_ttft_ms=sched.target_ttft_ms,
+        target_tpot_ms=sched.target_tpot_ms,
+        num_replicas=cfg.engine.hardware.data_parallel,
     )
     if cfg.server.engine_process:
         try:
@@ -120,20 +122,13 @@ def serve(cfg: TidalConfig) -> int:
     return 0
 
 
-def _hook_metrics(engine, metrics) -> None:  # engine: tidal.client.engine_client.EngineClient
-    engine.on_step = metrics.on_step
-    engine.on_up = lambda up: metrics.engine_up.set(1 if up else 0)
-    engine.on_restart = metrics.engine_restarts.inc
-    engine.on_request_failed = lambda reason: metrics.requests_failed.labels(reason=reason).inc()
-
-
 def _in_thread_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model root, len, vocab)
     """Load the model into this process (server.engine_process: false) behind the same client."""
     from tidal.client.in_thread import InThreadEngineClient
     from tidal.engine.builder import build_engine
 
     core = build_engine(cfg.engine, progress=log.info)
-    metrics.model_load.set(core.loaded.load_time_s)
+    metrics.replica(0).model_load.set(core.loaded.load_time_s)
     if core.loaded.device.type == "cuda":
         import torch
 
@@ -141,30 +136,57 @@ def _in_thread_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model roo
             core.loaded.device
         ).total_memory
     engine = InThreadEngineClient(core)
-    _hook_metrics(engine, metrics)
+    metrics.replica(0).hook(engine)
     return engine, str(core.loaded.path), core.max_model_len, core.loaded.arch.vocab_size
 
 
 def _supervised_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model root, len, vocab)
-    """Start the engine process (blocking until it is loaded) with the metrics hooked to it."""
+    """Start the engine process (blocking until it is loaded) with the metrics hooked to it; with
+    hardware.data_parallel N, N of them behind the router, each with its own supervisor."""
     from tidal.client.supervised import SupervisedEngineClient
     from tidal.supervisor.restart_policy import RestartPolicy
 
     server = cfg.server
-    engine = SupervisedEngineClient(
-        cfg.engine,
-        policy=RestartPolicy(
-            max_restarts=server.engine_max_restarts, window_s=server.engine_restart_window_s
-        ),
-        watchdog_timeout_s=server.watchdog_timeout_s,
-        warmup_on_restart=server.warmup,
-        log_level=logging.getLogger().getEffectiveLevel(),
-    )
-    _hook_metrics(engine, metrics)
+    num_replicas = cfg.engine.hardware.data_parallel
+    configs = [cfg.engine]
+    if num_replicas > 1:
+        from tidal.router.replica_config import available_cores, replica_engine_config
+
+        configs = [replica_engine_config(cfg.engine, num_replicas, available_cores())]
+        configs *= num_replicas
+        log.info(
+            "data parallel: %d engine replicas, %d CPU threads each",
+            num_replicas,
+            configs[0].hardware.threads,
+        )
+    clients = [
+        SupervisedEngineClient(
+            config,
+            policy=RestartPolicy(
+                max_restarts=server.engine_max_restarts, window_s=server.engine_restart_window_s
+            ),
+            watchdog_timeout_s=server.watchdog_timeout_s,
+            warmup_on_restart=server.warmup,
+            log_level=logging.getLogger().getEffectiveLevel(),
+            # A standby process per replica would double the processes; while one replica
+            # restarts cold, the others serve.
+            standby=num_replicas == 1,
+        )
+        for config in configs
+    ]
+    for i, client in enumerate(clients):
+        metrics.replica(i).hook(client)
+    engine = clients[0]
+    if num_replicas > 1:
+        from tidal.router.replicated import ReplicatedEngineClient
+
+        engine = ReplicatedEngineClient(clients, cfg.engine.cache.block_size)
+        engine.on_route = lambda i, reason: metrics.replica(i).routed(reason)
     info = engine.launch()  # ValueError: a bad setting (exit 2); EngineError: a crash (exit 1)
-    metrics.model_load.set(info.load_time_s)
+    for i, client in enumerate(clients):
+        metrics.replica(i).model_load.set(client.info.load_time_s)
     metrics._device_memory_bytes = info.device_memory_bytes
-    return engine, str(Path(engine.model_path)), info.max_model_len, info.vocab_size
+    return engine, str(Path(clients[0].model_path)), info.max_model_len, info.vocab_size
 
 
 def _bind(host: str, port: int) -> socket.socket:

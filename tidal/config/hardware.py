@@ -1,4 +1,4 @@
-"""HardwareConfig: the device, compute dtype, CPU threads and tensor-parallel degree to run on."""
+"""HardwareConfig: the device, compute dtype, CPU threads, and the tensor- and data-parallel degrees to run on."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ class HardwareConfig:
     # Devices one model is split across. Only 1 runs today: tensor parallelism is not built yet,
     # so a larger value is refused rather than silently served from one device.
     tensor_parallel: int = 1
+    # Engine replicas (each a supervised process holding the whole model) behind one API process
+    # and its router (tidal/router/); CPU threads are split between them.
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         check(
@@ -36,6 +39,12 @@ class HardwareConfig:
             "threads",
             self.threads,
             "an integer >= 1 or None",
+        )
+        check(
+            isinstance(self.data_parallel, int) and self.data_parallel >= 1,
+            "data_parallel",
+            self.data_parallel,
+            "an integer >= 1",
         )
         check(
             self.tensor_parallel == 1,
