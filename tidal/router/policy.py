@@ -64,7 +64,7 @@ class RoutingPolicy:
     The order: (1) a session goes to the replica that served it, unless that one is down or
     overloaded; (2) else the replica holding the longest cached prefix of the prompt, when it
     covers enough of it; (3) else the least loaded replica (fewest requests, then the emptiest
-    KV, then the lowest index). A session that had to leave its replica is "moved" and stays
+    KV, then round-robin). A session that had to leave its replica is "moved" and stays
     on the new one. With no replica up, requests go where they would have gone among all that
     have not given up (a supervised replica keeps them until its engine is back).
     """
@@ -75,6 +75,9 @@ class RoutingPolicy:
         self.num_replicas = num_replicas
         self.settings = settings or RouterSettings()
         self._sessions: OrderedDict[str, int] = OrderedDict()
+        # Equal loads are broken round-robin from here, so a trickle of sequential requests
+        # (every replica idle each time) still spreads instead of piling on replica 0.
+        self._cursor = 0
 
     def session_replica(self, session_id: str) -> int | None:
         return self._sessions.get(session_id)
@@ -101,8 +104,10 @@ class RoutingPolicy:
             self._remember(session_id, home)
             return Route(home, "session")
 
+        n = self.num_replicas
+
         def lightness(i: int) -> tuple[int, float, int]:
-            return (loads[i].num_requests, loads[i].kv_usage, i)
+            return (loads[i].num_requests, loads[i].kv_usage, (i - self._cursor) % n)
 
         route = Route(min(fit, key=lightness), "load")
         if num_prompt_blocks > 0:
@@ -110,6 +115,8 @@ class RoutingPolicy:
             share = matched_blocks[best] / num_prompt_blocks
             if matched_blocks[best] > 0 and share >= self.settings.min_prefix_ratio:
                 route = Route(best, "prefix")
+        if route.reason == "load":
+            self._cursor = (route.replica + 1) % n
         if session_id is not None:
             if home is not None and home != route.replica:
                 route = Route(route.replica, "moved")
