@@ -1,10 +1,14 @@
 """`tidal serve --data-parallel 2` on the tiny model, driven by the openai SDK: sessions stay on
 their replica and hit its prefix cache, a shared system prompt goes where it is cached, and greedy
-outputs through the router equal a single engine's. Which replica served a request is read from
+outputs through the router equal a single engine's; a SIGKILLed replica's waiting requests finish on
+the other and it comes back. Which replica served a request is read from
 the per-replica counters in /metrics (requests here are sequential, so each delta is one request)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -123,15 +127,17 @@ def test_shared_system_prompt_is_routed_where_it_is_cached(dp_server: ServerProc
 PROMPTS = [f"The tide {k} rises and" for k in range(4)]
 
 
-def completions(server: ServerProcess, api_key: str = "none") -> list[str]:
+def completions(
+    server: ServerProcess, prompts: list[str] = PROMPTS, api_key: str = "none"
+) -> list[str]:
     def one(prompt: str) -> str:
         r = client(server, api_key).completions.create(
             model=NAME, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
         )
         return r.choices[0].text
 
-    with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return list(pool.map(one, PROMPTS))
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
 
 
 def test_greedy_outputs_through_the_router_equal_a_single_engines(
@@ -145,4 +151,46 @@ def test_greedy_outputs_through_the_router_equal_a_single_engines(
     for r in ("0", "1"):  # concurrent requests went to both replicas
         key = ("tidal:prefix_cache_queries_total", r)
         assert after[key] > before[key]
-    assert completions(server, API_KEY) == routed
+    assert completions(server, api_key=API_KEY) == routed
+
+
+def test_sigkill_of_one_replica_moves_its_waiting_requests_and_it_returns(
+    dp_server: ServerProcess,
+) -> None:
+    """Last in this module: it restarts replica 1. Its engine is SIGSTOPped first, so the
+    requests routed to it are held there by construction (none can start), then SIGKILLed: every
+    one of them must finish on replica 0, and replica 1 must come back and serve."""
+    replicas = httpx.get(dp_server.base_url + "/health", timeout=30).json()["replicas"]
+    victim = replicas[1]["pid"]
+    key = ("tidal:router_decisions_total:load", "1")  # new prompts: routed by load
+    sent_before = replica_counters(dp_server).get(key, 0)
+    prompts = [f"A storm {k} comes in and" for k in range(4)]
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(completions, dp_server, prompts)
+            # Least load sends half of them to the stopped replica, where they wait.
+            dp_server.wait_until(
+                lambda: replica_counters(dp_server).get(key, 0) >= sent_before + 2,
+                "requests routed to replica 1",
+                timeout_s=60,
+            )
+            os.kill(victim, signal.SIGKILL)
+            texts = pending.result(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGCONT)
+    assert len(texts) == len(prompts) and all(texts)  # none lost: all ran on replica 0
+    assert "waiting requests moved to the others" in dp_server.log
+
+    def back() -> bool:
+        r = httpx.get(dp_server.base_url + "/health", timeout=30).json()["replicas"][1]
+        return r["up"] and r["pid"] != victim
+
+    dp_server.wait_until(back, "replica 1 restarting", timeout_s=120)
+    m = replica_counters(dp_server)
+    assert m[("tidal:engine_restarts_total", "1")] == 1
+    assert m[("tidal:engine_restarts_total", "0")] == 0
+    before = m[("tidal:prefix_cache_queries_total", "1")]
+    completions(dp_server, [f"Calm {k} water and" for k in range(4)])  # spread over both again
+    assert replica_counters(dp_server)[("tidal:prefix_cache_queries_total", "1")] > before
