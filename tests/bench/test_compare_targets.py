@@ -31,3 +31,10 @@ def test_the_flag_parses() -> None:
         ["bench", "compare", "--target-tpot-ms", "150", "--workload", "mix"]
     )
     assert args.target_tpot_ms == 150.0
+
+
+def test_the_data_parallel_target_runs_two_replicas() -> None:
+    names, targets = target_list("tidal,tidal-dp2", None)
+    assert names == ["tidal", "tidal-dp2"]
+    t = targets["tidal-dp2"]
+    assert t.kind == "tidal" and t.args == ("--data-parallel", "2")
