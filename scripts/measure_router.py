@@ -21,7 +21,8 @@ def measure(num_replicas: int, num_tokens: int, num_requests: int, seed: int) ->
     """Mean microseconds per routed request, the indexes warm with earlier prompts."""
     rng = random.Random(seed)
     policy = RoutingPolicy(num_replicas)
-    index = PrefixIndex(num_replicas, [65536] * num_replicas)
+    index = PrefixIndex(65536)
+    keys = range(num_replicas)
     system = [rng.randrange(256000) for _ in range(num_tokens // 2)]  # a shared half
     prompts = [system + [rng.randrange(256000) for _ in range(num_tokens - len(system))]
                for _ in range(64)]  # fmt: skip
@@ -30,7 +31,7 @@ def measure(num_replicas: int, num_tokens: int, num_requests: int, seed: int) ->
     def route(k: int) -> None:
         tokens = prompts[k % len(prompts)]
         hashes = prompt_block_hashes(tokens, BLOCK_SIZE)
-        r = policy.choose(loads, index.match(hashes), len(hashes), f"s{k % 97}")
+        r = policy.choose(loads, index.match(keys, hashes), len(hashes), f"s{k % 97}")
         index.add(r.replica, hashes)
 
     for k in range(200):  # warm-up

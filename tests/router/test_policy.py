@@ -96,16 +96,17 @@ def test_prefix_index_matches_the_leading_chain_and_evicts_least_recently_used()
     a = prompt_block_hashes(system + [100] * 24, BS)  # 4 blocks
     b = prompt_block_hashes(system + [200] * 24, BS)
     assert len(a) == 4 and a[:2] == b[:2] and a[2] != b[2]
-    index = PrefixIndex(2, [6, 6])
+    index = PrefixIndex()
+    index.set_capacity(0, 6)
     index.add(0, a)
-    assert index.match(a) == [4, 0]
-    assert index.match(b) == [2, 0]  # the shared system prompt's blocks only
+    assert index.match([0, 1], a) == [4, 0]
+    assert index.match([0, 1], b) == [2, 0]  # the shared system prompt's blocks only
     index.add(0, b)  # 6 distinct blocks: full; the shared two were refreshed
     index.add(0, prompt_block_hashes([7] * 16, BS))  # evicts a's third block, the oldest
-    assert index.match(a) == [2, 0]  # a chain stops at its first miss
-    assert index.match(b) == [4, 0]
+    assert index.match([0, 1], a) == [2, 0]  # a chain stops at its first miss
+    assert index.match([1, 0], b) == [0, 4]
     index.forget(0)
-    assert index.match(b) == [0, 0] and index.num_blocks(0) == 0
+    assert index.match([0, 1], b) == [0, 0] and index.num_blocks(0) == 0
 
 
 def test_replica_config_splits_threads_and_kv_memory() -> None:
@@ -118,3 +119,15 @@ def test_replica_config_splits_threads_and_kv_memory() -> None:
     assert replica_engine_config(pinned, 2, num_cores=8).hardware.threads == 3
     with pytest.raises(ValueError, match="data_parallel"):
         HardwareConfig(data_parallel=0)
+
+
+def test_replicas_named_by_keys_may_come_and_go() -> None:
+    """Ray Serve's candidates change between calls: sessions follow replica ids, not positions."""
+    policy = RoutingPolicy(None)
+    assert policy.choose(idle(2), [0, 0], 1, "s", keys=["a", "b"]) == (0, "load")
+    assert policy.choose(idle(3), [0, 0, 0], 1, "s", keys=["c", "b", "a"]) == (2, "session")
+    # Its replica is gone from the candidates: the session moves and stays on the new one.
+    assert policy.choose(idle(2), [0, 0], 1, "s", keys=["c", "b"]).reason == "moved"
+    assert policy.session_replica("s") in ("b", "c")
+    with pytest.raises(ValueError, match="keys"):
+        policy.choose(idle(2), [0, 0], 1, keys=["x"])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -69,17 +69,19 @@ class RoutingPolicy:
     have not given up (a supervised replica keeps them until its engine is back).
     """
 
-    def __init__(self, num_replicas: int, settings: RouterSettings | None = None) -> None:
-        if num_replicas < 1:
+    def __init__(self, num_replicas: int | None, settings: RouterSettings | None = None) -> None:
+        """`num_replicas` None: the candidates may change from call to call (Ray Serve's
+        replicas come and go); each call then names them with `keys`."""
+        if num_replicas is not None and num_replicas < 1:
             raise ValueError(f"num_replicas={num_replicas!r} is invalid: expected >= 1")
         self.num_replicas = num_replicas
         self.settings = settings or RouterSettings()
-        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self._sessions: OrderedDict[str, Hashable] = OrderedDict()
         # Equal loads are broken round-robin from here, so a trickle of sequential requests
         # (every replica idle each time) still spreads instead of piling on replica 0.
         self._cursor = 0
 
-    def session_replica(self, session_id: str) -> int | None:
+    def session_replica(self, session_id: str) -> Hashable | None:
         return self._sessions.get(session_id)
 
     def choose(
@@ -88,23 +90,29 @@ class RoutingPolicy:
         matched_blocks: Sequence[int],
         num_prompt_blocks: int,
         session_id: str | None = None,
+        keys: Sequence[Hashable] | None = None,
     ) -> Route:
-        """The replica for one request; `matched_blocks[i]` is how many leading full blocks of
-        its prompt replica i caches (of `num_prompt_blocks`)."""
-        if len(loads) != self.num_replicas or len(matched_blocks) != self.num_replicas:
+        """The replica for one request, as a position in `loads`; `matched_blocks[i]` is how many
+        leading full blocks of its prompt replica i caches (of `num_prompt_blocks`). `keys`
+        name the replicas for the session table (default: their positions)."""
+        n = len(loads)
+        expected = self.num_replicas if self.num_replicas is not None else n
+        if n != expected or len(matched_blocks) != n or (keys is not None and len(keys) != n):
             raise ValueError(
-                f"expected {self.num_replicas} replica loads and matches, got "
-                f"{len(loads)} and {len(matched_blocks)}"
+                f"expected {expected} replica loads, matches and keys, got {n}, "
+                f"{len(matched_blocks)} and {'-' if keys is None else len(keys)}"
             )
-        alive = [i for i, load in enumerate(loads) if not load.gone] or list(range(len(loads)))
+        if n == 0:
+            raise ValueError("loads=[] is invalid: expected at least one replica")
+        names: list[Hashable] = list(range(n)) if keys is None else list(keys)
+        alive = [i for i, load in enumerate(loads) if not load.gone] or list(range(n))
         pool = [i for i in alive if loads[i].up] or alive
         fit = [i for i in pool if not self._overloaded(i, loads, pool)] or pool
-        home = self._sessions.get(session_id) if session_id is not None else None
+        home_key = self._sessions.get(session_id) if session_id is not None else None
+        home = names.index(home_key) if home_key is not None and home_key in names else None
         if home is not None and home in fit:
-            self._remember(session_id, home)
+            self._remember(session_id, home_key)
             return Route(home, "session")
-
-        n = self.num_replicas
 
         def lightness(i: int) -> tuple[int, float, int]:
             return (loads[i].num_requests, loads[i].kv_usage, (i - self._cursor) % n)
@@ -118,9 +126,9 @@ class RoutingPolicy:
         if route.reason == "load":
             self._cursor = (route.replica + 1) % n
         if session_id is not None:
-            if home is not None and home != route.replica:
+            if home_key is not None and home_key != names[route.replica]:
                 route = Route(route.replica, "moved")
-            self._remember(session_id, route.replica)
+            self._remember(session_id, names[route.replica])
         return route
 
     def _overloaded(self, i: int, loads: Sequence[ReplicaLoad], pool: Sequence[int]) -> bool:
@@ -132,7 +140,7 @@ class RoutingPolicy:
         emptiest_kv = min(loads[j].kv_usage for j in pool)
         return loads[i].kv_usage >= s.kv_high > emptiest_kv
 
-    def _remember(self, session_id: str, replica: int) -> None:
+    def _remember(self, session_id: str, replica: Hashable) -> None:
         self._sessions[session_id] = replica
         self._sessions.move_to_end(session_id)
         while len(self._sessions) > self.settings.max_sessions:

@@ -13,7 +13,7 @@ same kind of approximate tree). A replica that restarts starts empty, and so doe
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 from tidal.kv.hashing import BlockHash, extend_block_hashes
 
@@ -26,27 +26,27 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[Block
 
 
 class PrefixIndex:
-    """Per replica, the block hashes it was sent, least recently used first."""
+    """Per replica (any hashable key: an index, a Ray Serve replica id), the block hashes it was
+    sent, least recently used first; a replica not seen yet holds nothing."""
 
-    def __init__(self, num_replicas: int, capacity_blocks: Sequence[int]) -> None:
-        if num_replicas < 1 or len(capacity_blocks) != num_replicas:
+    def __init__(self, default_capacity_blocks: int = 1 << 20) -> None:
+        if default_capacity_blocks < 1:
             raise ValueError(
-                f"capacity_blocks={list(capacity_blocks)!r} is invalid: expected one block "
-                f"count per replica ({num_replicas})"
+                f"default_capacity_blocks={default_capacity_blocks!r} is invalid: expected >= 1"
             )
-        self._blocks: list[OrderedDict[BlockHash, None]] = [
-            OrderedDict() for _ in range(num_replicas)
-        ]
-        self._capacity = [max(1, c) for c in capacity_blocks]
+        self._blocks: dict[Hashable, OrderedDict[BlockHash, None]] = {}
+        self._capacity: dict[Hashable, int] = {}
+        self._default_capacity = default_capacity_blocks
 
-    def num_blocks(self, replica: int) -> int:
-        return len(self._blocks[replica])
+    def num_blocks(self, replica: Hashable) -> int:
+        return len(self._blocks.get(replica, ()))
 
-    def match(self, hashes: Sequence[BlockHash]) -> list[int]:
+    def match(self, replicas: Sequence[Hashable], hashes: Sequence[BlockHash]) -> list[int]:
         """Per replica, how many leading blocks of `hashes` it holds (a chain: stop at the first
         miss, since a block's hash names its whole prefix)."""
         out = []
-        for held in self._blocks:
+        for replica in replicas:
+            held = self._blocks.get(replica, {})
             n = 0
             for h in hashes:
                 if h not in held:
@@ -55,19 +55,21 @@ class PrefixIndex:
             out.append(n)
         return out
 
-    def add(self, replica: int, hashes: Sequence[BlockHash]) -> None:
+    def add(self, replica: Hashable, hashes: Sequence[BlockHash]) -> None:
         """The replica was sent these blocks: mark them most recently used, evict past capacity."""
-        held = self._blocks[replica]
+        held = self._blocks.setdefault(replica, OrderedDict())
         for h in hashes:
             held[h] = None
             held.move_to_end(h)
-        while len(held) > self._capacity[replica]:
+        capacity = self._capacity.get(replica, self._default_capacity)
+        while len(held) > capacity:
             held.popitem(last=False)
 
-    def set_capacity(self, replica: int, capacity_blocks: int) -> None:
+    def set_capacity(self, replica: Hashable, capacity_blocks: int) -> None:
+        """Its KV pool's block count (EngineReady.num_blocks)."""
         self._capacity[replica] = max(1, capacity_blocks)
         self.add(replica, ())
 
-    def forget(self, replica: int) -> None:
-        """The replica's engine restarted with an empty cache."""
-        self._blocks[replica].clear()
+    def forget(self, replica: Hashable) -> None:
+        """The replica's engine restarted with an empty cache (or is gone)."""
+        self._blocks.pop(replica, None)

@@ -48,7 +48,7 @@ class ReplicatedEngineClient(EngineClient):
         self.block_size = block_size
         self.policy = RoutingPolicy(len(replicas), settings)
         # Capacities are set from each engine's KV pool at launch (EngineReady.num_blocks).
-        self.index = PrefixIndex(len(replicas), [1 << 20] * len(replicas))
+        self.index = PrefixIndex()
         self.on_route: Callable[[int, str], None] | None = None
         self.info = None  # the first replica's EngineReady, after launch
         for i, replica in enumerate(self._replicas):
@@ -137,7 +137,8 @@ class ReplicatedEngineClient(EngineClient):
             )
             for r in self._replicas
         ]
-        route = self.policy.choose(loads, self.index.match(hashes), len(hashes), session_id)
+        matched = self.index.match(range(len(loads)), hashes)
+        route = self.policy.choose(loads, matched, len(hashes), session_id)
         self.index.add(route.replica, hashes)
         if self.on_route is not None:
             try:
