@@ -38,6 +38,20 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve on Ray Serve (the ray extra): hardware.data_parallel engine replicas as a "
+        "deployment behind tidal's router, on a local cluster or the one RAY_ADDRESS names",
+    )
+    parser.add_argument(
+        "--ray-max-replicas",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --ray: autoscale the engine replicas between hardware.data_parallel and M "
+        "on queue length and KV usage",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,7 +68,13 @@ def run(args: argparse.Namespace) -> int:
         level=getattr(logging, str(getattr(args, "log_level", "info")).upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    max_replicas = getattr(args, "ray_max_replicas", None)
+    if max_replicas is not None and not getattr(args, "ray", False):
+        print("tidal serve: --ray-max-replicas needs --ray", file=sys.stderr)
+        return 2
     try:
+        if getattr(args, "ray", False):
+            return _serve_on_ray(cfg, max_replicas)
         return serve(cfg)
     except ValueError as e:  # a config that only the loaded model can find wrong
         print(f"tidal serve: {e}", file=sys.stderr)
@@ -120,6 +140,15 @@ def serve(cfg: TidalConfig) -> int:
         print(f"tidal serve: {fatal}", file=sys.stderr)
         return 1
     return 0
+
+
+def _serve_on_ray(cfg: TidalConfig, max_replicas: int | None) -> int:
+    try:
+        from tidal.serving.ray import serve_forever
+    except ImportError as e:  # the ray extra is not installed
+        print(f"tidal serve: {e}", file=sys.stderr)
+        return 2
+    return serve_forever(cfg, max_replicas)
 
 
 def _in_thread_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model root, len, vocab)

@@ -203,3 +203,36 @@ def __getattr__(name: str):  # noqa: ANN202
     if name == "app":
         return build(_config_from_env())
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def serve_forever(config: TidalConfig, max_replicas: int | None = None) -> int:
+    """`tidal serve --ray`: start (or join, with RAY_ADDRESS) a Ray cluster, run the app on
+    server.host:server.port until SIGINT/SIGTERM, then shut Serve down. Exit code."""
+    import signal
+    import sys
+    import threading
+
+    import ray
+
+    server = config.server
+    if server.port == 0:
+        raise ValueError(
+            "server.port=0 is invalid with --ray: Ray Serve's HTTP proxy listens on a fixed port"
+        )
+    application = build(config, max_replicas=max_replicas)  # a bad setting fails before Ray
+    ray.init(address=os.environ.get("RAY_ADDRESS"))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": server.host, "port": server.port})
+        serve.run(application, name=APP_NAME, route_prefix="/")
+        sys.stdout.write(
+            f"tidal: serving on Ray Serve, listening on http://{server.host}:{server.port}\n"
+        )
+        sys.stdout.flush()
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
