@@ -2,6 +2,7 @@
 #
 #   docker build -t tidal .                                   # CPU: the torch CPU wheel
 #   docker build -t tidal:cuda --build-arg DEVICE=cu126 .     # CUDA: torch's cu126 wheel
+#   docker build -t tidal:ray --build-arg EXTRAS=ray .        # with Ray Serve (deploy/ray/)
 #
 # The bundled model (Gemma 3 270M Q4_K_M) is a package dependency, so the image serves with no
 # download at run time; mount another checkpoint and point model.path at it to serve that.
@@ -11,6 +12,8 @@ FROM python:${PYTHON}-slim
 # cpu, or a CUDA tag of download.pytorch.org's wheel indexes (cu126, cu128, ...). The CUDA
 # wheels carry their own CUDA libraries; the host needs the NVIDIA driver and container toolkit.
 ARG DEVICE=cpu
+# Optional extras of the tidal package: "ray" for the Ray Serve application.
+ARG EXTRAS=""
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -29,7 +32,7 @@ COPY pyproject.toml constraints.txt README.md ./
 COPY tidal ./tidal
 # constraints.txt pins torch's version; the index picks its CPU or CUDA build.
 RUN pip install --index-url "https://download.pytorch.org/whl/${DEVICE}" \
-        --extra-index-url https://pypi.org/simple -c constraints.txt .
+        --extra-index-url https://pypi.org/simple -c constraints.txt ".${EXTRAS:+[$EXTRAS]}"
 
 USER 1000:1000
 # Kernel builds and the bundled model's assembled file are cached here (TIDAL_CACHE_DIR).

@@ -205,5 +205,34 @@ def test_the_dockerfile_builds_the_image_the_pods_run(tmp_path: Path) -> None:
     (install,) = [w for w in by_op["RUN"] if w[:2] == ["pip", "install"]]
     assert '"https://download.pytorch.org/whl/${DEVICE}"' in install
     assert install[install.index("-c") + 1] == "constraints.txt"
+    assert install[-1] == '".${EXTRAS:+[$EXTRAS]}"' and ['EXTRAS=""'] in by_op["ARG"]
     assert (ROOT / "constraints.txt").read_text().count("torch==") == 1
     assert by_op["CMD"][0][:2] == ['["tidal",', '"serve",']
+
+
+def _rayservice() -> dict:
+    return yaml.safe_load((ROOT / "deploy" / "ray" / "rayservice.yaml").read_text())
+
+
+def test_the_rayservice_runs_the_serve_app_on_the_ray_image(tmp_path: Path) -> None:
+    rs = _rayservice()
+    assert (rs["apiVersion"], rs["kind"]) == ("ray.io/v1", "RayService")
+    (application,) = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]
+    module, attr = application["import_path"].split(":")
+    assert (module, attr) == ("tidal.serving.ray", "app")
+    assert (ROOT / (module.replace(".", "/") + ".py")).is_file()
+    # The application's settings are tidal's own environment variables, and they load.
+    env = application["runtime_env"]["env_vars"]
+    cfg = load_config(None, env, {})
+    assert cfg.engine.hardware.data_parallel == int(env["TIDAL_HARDWARE_DATA_PARALLEL"])
+    cluster = rs["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"]] + [
+        g["template"]["spec"] for g in cluster["workerGroupSpecs"]
+    ]
+    for pod in pods:
+        (container,) = pod["containers"]
+        assert container["image"] == "tidal:ray"  # the Dockerfile with EXTRAS=ray
+        assert pod["securityContext"]["runAsUser"] == 1000
+    assert "--build-arg EXTRAS=ray" in DOCKERFILE.read_text()
+    head_ports = {p["name"]: p["containerPort"] for p in pods[0]["containers"][0]["ports"]}
+    assert head_ports["serve"] == 8000
