@@ -39,6 +39,20 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve on Ray Serve (the ray extra): hardware.data_parallel engine replicas as a "
+        "deployment behind tidal's router, on a local cluster or the one RAY_ADDRESS names",
+    )
+    parser.add_argument(
+        "--ray-max-replicas",
+        type=int,
+        default=None,
+        metavar="M",
+        help="with --ray: autoscale the engine replicas between hardware.data_parallel and M "
+        "on queue length and KV usage",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +69,13 @@ def run(args: argparse.Namespace) -> int:
         level=getattr(logging, str(getattr(args, "log_level", "info")).upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    max_replicas = getattr(args, "ray_max_replicas", None)
+    if max_replicas is not None and not getattr(args, "ray", False):
+        print("tidal serve: --ray-max-replicas needs --ray", file=sys.stderr)
+        return 2
     try:
+        if getattr(args, "ray", False):
+            return _serve_on_ray(cfg, max_replicas)
         return serve(cfg)
     except ValueError as e:  # a config that only the loaded model can find wrong
         print(f"tidal serve: {e}", file=sys.stderr)
@@ -76,7 +96,9 @@ def serve(cfg: TidalConfig) -> int:
     sock = _bind(cfg.server.host, cfg.server.port)
     sched = cfg.engine.scheduler
     metrics = ServerMetrics(
-        target_ttft_ms=sched.target_ttft_ms, target_tpot_ms=sched.target_tpot_ms
+        target_ttft_ms=sched.target_ttft_ms,
+        target_tpot_ms=sched.target_tpot_ms,
+        num_replicas=cfg.engine.hardware.data_parallel,
     )
     if cfg.server.engine_process:
         try:
@@ -129,11 +151,13 @@ def serve(cfg: TidalConfig) -> int:
     return 0
 
 
-def _hook_metrics(engine, metrics) -> None:  # engine: tidal.client.engine_client.EngineClient
-    engine.on_step = metrics.on_step
-    engine.on_up = lambda up: metrics.engine_up.set(1 if up else 0)
-    engine.on_restart = metrics.engine_restarts.inc
-    engine.on_request_failed = lambda reason: metrics.requests_failed.labels(reason=reason).inc()
+def _serve_on_ray(cfg: TidalConfig, max_replicas: int | None) -> int:
+    try:
+        from tidal.serving.ray import serve_forever
+    except ImportError as e:  # the ray extra is not installed
+        print(f"tidal serve: {e}", file=sys.stderr)
+        return 2
+    return serve_forever(cfg, max_replicas)
 
 
 def _in_thread_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model root, len, vocab)
@@ -149,7 +173,7 @@ def _in_thread_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model roo
             "process; set server.engine_process true"
         )
     core = build_engine(cfg.engine, progress=log.info)
-    metrics.model_load.set(core.loaded.load_time_s)
+    metrics.replica(0).model_load.set(core.loaded.load_time_s)
     if core.loaded.device.type == "cuda":
         import torch
 
@@ -157,30 +181,57 @@ def _in_thread_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model roo
             core.loaded.device
         ).total_memory
     engine = InThreadEngineClient(core)
-    _hook_metrics(engine, metrics)
+    metrics.replica(0).hook(engine)
     return engine, str(core.loaded.path), core.max_model_len, core.loaded.arch.vocab_size
 
 
 def _supervised_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model root, len, vocab)
-    """Start the engine process (blocking until it is loaded) with the metrics hooked to it."""
+    """Start the engine process (blocking until it is loaded) with the metrics hooked to it; with
+    hardware.data_parallel N, N of them behind the router, each with its own supervisor."""
     from tidal.client.supervised import SupervisedEngineClient
     from tidal.supervisor.restart_policy import RestartPolicy
 
     server = cfg.server
-    engine = SupervisedEngineClient(
-        cfg.engine,
-        policy=RestartPolicy(
-            max_restarts=server.engine_max_restarts, window_s=server.engine_restart_window_s
-        ),
-        watchdog_timeout_s=server.watchdog_timeout_s,
-        warmup_on_restart=server.warmup,
-        log_level=logging.getLogger().getEffectiveLevel(),
-    )
-    _hook_metrics(engine, metrics)
+    num_replicas = cfg.engine.hardware.data_parallel
+    configs = [cfg.engine]
+    if num_replicas > 1:
+        from tidal.router.replica_config import available_cores, replica_engine_config
+
+        configs = [replica_engine_config(cfg.engine, num_replicas, available_cores())]
+        configs *= num_replicas
+        log.info(
+            "data parallel: %d engine replicas, %d CPU threads each",
+            num_replicas,
+            configs[0].hardware.threads,
+        )
+    clients = [
+        SupervisedEngineClient(
+            config,
+            policy=RestartPolicy(
+                max_restarts=server.engine_max_restarts, window_s=server.engine_restart_window_s
+            ),
+            watchdog_timeout_s=server.watchdog_timeout_s,
+            warmup_on_restart=server.warmup,
+            log_level=logging.getLogger().getEffectiveLevel(),
+            # A standby process per replica would double the processes; while one replica
+            # restarts cold, the others serve.
+            standby=num_replicas == 1,
+        )
+        for config in configs
+    ]
+    for i, client in enumerate(clients):
+        metrics.replica(i).hook(client)
+    engine = clients[0]
+    if num_replicas > 1:
+        from tidal.router.replicated import ReplicatedEngineClient
+
+        engine = ReplicatedEngineClient(clients, cfg.engine.cache.block_size)
+        engine.on_route = lambda i, reason: metrics.replica(i).routed(reason)
     info = engine.launch()  # ValueError: a bad setting (exit 2); EngineError: a crash (exit 1)
-    metrics.model_load.set(info.load_time_s)
+    for i, client in enumerate(clients):
+        metrics.replica(i).model_load.set(client.info.load_time_s)
     metrics._device_memory_bytes = info.device_memory_bytes
-    return engine, str(Path(engine.model_path)), info.max_model_len, info.vocab_size
+    return engine, str(Path(clients[0].model_path)), info.max_model_len, info.vocab_size
 
 
 def _bind(host: str, port: int) -> socket.socket:

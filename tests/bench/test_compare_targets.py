@@ -43,3 +43,10 @@ def test_tidal_holds_the_context_llama_server_is_given() -> None:
     cmd = tidal_command(TARGETS["tidal-int8"], None, args)
     assert cmd[cmd.index("--kv-cache-tokens") + 1] == "8192"
     assert cmd[-3:] == list(TARGETS["tidal-int8"].args)
+
+
+def test_the_data_parallel_target_runs_two_replicas() -> None:
+    names, targets = target_list("tidal,tidal-dp2", None)
+    assert names == ["tidal", "tidal-dp2"]
+    t = targets["tidal-dp2"]
+    assert t.kind == "tidal" and t.args == ("--data-parallel", "2")

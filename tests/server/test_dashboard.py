@@ -86,6 +86,7 @@ def exported_families() -> dict[str, Family]:
     metrics.step_cost.labels(term="base").set(0.01)  # what on_step does each step
     metrics.rejected.labels(reason="queue_full").inc()  # what app.py does for a 429
     metrics.requests_failed.labels(reason="engine_died").inc()  # what cli_serve.py wires up
+    metrics.replica(0).routed("load")  # what the data-parallel router reports
     text = metrics.render().decode()
     out: dict[str, Family] = {}
     for fam in text_string_to_metric_families(text):

@@ -65,6 +65,13 @@ TARGETS: dict[str, Target] = {
         ),  # fmt: skip
         Target("tidal-no-chunked-prefill", "tidal", ("--no-chunked-prefill",), "ablation"),
         Target("tidal-max-num-seqs-1", "tidal", ("--max-num-seqs", "1"), "ablation: no batching"),
+        Target(
+            "tidal-dp2",
+            "tidal",
+            ("--data-parallel", "2"),
+            "tidal serve --data-parallel 2 (two engine replicas behind the router; --threads "
+            "is per replica)",
+        ),  # fmt: skip
         Target("llama.cpp", "llama.cpp", (), "llama-server, continuous batching, --parallel N"),
         Target("hf-static", "hf-static", (), "BASELINE: transformers, static batches"),
     )

@@ -124,6 +124,16 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def replicas(self) -> tuple[EngineClient, ...]:
+        """The engines behind this client, each with its own process and metrics: this one
+        alone, or the replicas a data-parallel client routes between (router/replicated.py)."""
+        return (self,)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether this client delivers the request's outputs (it is in flight here)."""
+        return request_id in self._streams
+
     def completions_per_s(self) -> float | None:
         """Requests finished per second over the last minute; None until a few have finished."""
         now = self._clock()
@@ -216,6 +226,24 @@ class EngineClient:
             self._send(AbortRequest(request_id))
         self._fail_all(EngineError(detail), reason=None)
         return num
+
+    def take_unstarted(self) -> list[_Stream]:
+        """Remove and return the requests no output of which has reached the caller (their engine
+        died: a data-parallel client runs them on another replica with `adopt`)."""
+        taken = [s for s in self._streams.values() if not s.started]
+        for stream in taken:
+            del self._streams[stream.add.request_id]
+        return taken
+
+    def adopt(self, stream: _Stream) -> None:
+        """Run a request another client gave up with `take_unstarted`; its outputs go to the
+        same queue. Raises like `submit` when this engine cannot take it."""
+        self._check_can_generate()
+        request_id = stream.add.request_id
+        if request_id in self._streams:
+            raise ValueError(f"request_id={request_id!r} is invalid: it is already in use")
+        self._streams[request_id] = stream
+        self._send(stream.add)
 
     # ---- the output handler (event loop) ------------------------------------------------------
 

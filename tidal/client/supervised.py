@@ -44,6 +44,7 @@ class SupervisedEngineClient(EngineClient):
         warmup_on_restart: bool = True,
         fault_spec: str | None = None,
         log_level: int = logging.INFO,
+        standby: bool = True,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(clock)
@@ -62,6 +63,7 @@ class SupervisedEngineClient(EngineClient):
             policy=policy,
             watchdog_timeout_s=watchdog_timeout_s,
             warmup_on_restart=warmup_on_restart,
+            standby=standby,
             fault_spec=fault_spec,
             log_level=log_level,
             clock=clock,
@@ -71,6 +73,9 @@ class SupervisedEngineClient(EngineClient):
         self._closed = False
         self._down_at: float | None = None  # clock time the engine last went down
         self.last_restart_s: float | None = None  # down -> up of the last restart, measured
+        # Called once the engine went down and its started requests failed; the requests kept
+        # for the restarted engine may be taken elsewhere then (`take_unstarted`).
+        self.on_down: Callable[[], None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -173,6 +178,8 @@ class SupervisedEngineClient(EngineClient):
         log.warning(
             "engine down: %d started requests failed, %d kept for the new engine", failed, kept
         )
+        if self.on_down is not None:
+            self.on_down()
 
     def engine_up(self, ready: EngineReady, restarted: bool) -> None:
         self.info = ready

@@ -66,3 +66,12 @@ class TidalConfig:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        # Replicas are engine processes: an engine on a thread of the API process is one engine.
+        check(
+            self.engine.hardware.data_parallel == 1 or self.server.engine_process,
+            "hardware.data_parallel",
+            self.engine.hardware.data_parallel,
+            "1 when server.engine_process is false (each replica is its own engine process)",
+        )

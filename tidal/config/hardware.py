@@ -1,4 +1,4 @@
-"""HardwareConfig: the device, compute dtype, CPU threads and tensor-parallel degree to run on."""
+"""HardwareConfig: the device, compute dtype, CPU threads, and the tensor- and data-parallel degrees to run on."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ class HardwareConfig:
     # A tensor-parallel collective that waits longer fails the group (a hung or unreachable
     # rank), which the supervisor then restarts whole.
     collective_timeout_s: float = 60.0
+    # Engine replicas (each a supervised process holding the whole model) behind one API process
+    # and its router (tidal/router/); CPU threads are split between them.
+    data_parallel: int = 1
 
     def __post_init__(self) -> None:
         check(
@@ -42,6 +45,14 @@ class HardwareConfig:
             "threads",
             self.threads,
             "an integer >= 1 or None",
+        )
+        check(
+            isinstance(self.data_parallel, int)
+            and not isinstance(self.data_parallel, bool)
+            and self.data_parallel >= 1,
+            "data_parallel",
+            self.data_parallel,
+            "an integer >= 1",
         )
         check(
             isinstance(self.tensor_parallel, int)

@@ -173,6 +173,12 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "and restarted (a hung or unreachable rank)",
         "--collective-timeout-s",
     ),
+    "hardware.data_parallel": KeyDoc(
+        "engine replicas behind one API process, routed by session, cached prefix and load; "
+        "each is a supervised process with the whole model, and CPU threads are split between "
+        "them (hardware.threads is per replica; null: cores / N)",
+        "--data-parallel",
+    ),
     # ---- limits
     "limits.max_input_tokens": KeyDoc(
         "longest prompt accepted; null: the context limit", "--max-input-tokens", 3072

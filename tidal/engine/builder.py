@@ -61,6 +61,14 @@ def build_engine(
     from tidal.loader.model_loader import load_model
     from tidal.loader.tokenizer import load_tokenizer
 
+    if config.hardware.data_parallel != 1:
+        # One EngineCore is one replica; `tidal serve` runs N of them (router/replica_config.py
+        # hands each data_parallel=1).
+        raise ValueError(
+            f"hardware.data_parallel={config.hardware.data_parallel} is invalid here: one engine "
+            "is built in this process; data parallel needs `tidal serve --data-parallel N` "
+            "(N engine processes behind its router)"
+        )
     tp = config.hardware.tensor_parallel
     if config.hardware.threads is not None and tp == 1:
         torch.set_num_threads(config.hardware.threads)

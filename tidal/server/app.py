@@ -96,7 +96,9 @@ def build_app(state: ServerState) -> FastAPI:
     serve_openapi(app)
     app.state.tidal = state
     engine = state.engine
-    state.metrics.watch_engine(lambda: engine.engine_pid)  # None (0 bytes) for the in-thread one
+    for i, replica in enumerate(engine.replicas):  # one, or data parallel's N
+        # None (0 bytes) for the in-thread engine
+        state.metrics.watch_engine(lambda r=replica: r.engine_pid, replica=i)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -178,10 +180,16 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        warmup = warmup_status(state)
+        body: dict[str, object] = {"status": "ok", "warmup": warmup_status(state)}
+        replicas = state.engine.replicas
+        if len(replicas) > 1:  # data parallel: healthy while any replica serves
+            body["replicas"] = [
+                {"replica": i, "up": r.alive, "pid": r.engine_pid} for i, r in enumerate(replicas)
+            ]
         if not state.engine.alive:
-            return JSONResponse({"status": "engine down", "warmup": warmup}, 503)
-        return JSONResponse({"status": "ok", "warmup": warmup})
+            body["status"] = "engine down"
+            return JSONResponse(body, 503)
+        return JSONResponse(body)
 
     @app.get("/ready")
     async def ready() -> Response:

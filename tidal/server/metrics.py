@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tidal.engine.output import RequestDelta
 from tidal.engine.stats import StepStats
-from tidal.scheduler.cost_model import TERMS
+from tidal.server.replica_metrics import ReplicaMetrics
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -35,39 +35,47 @@ _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 
 class ServerMetrics:
     """All `tidal:*` metrics. `on_step` runs on the engine thread (prometheus_client is
-    thread-safe); request metrics are observed by a `RequestTracker` per served request."""
+    thread-safe); request metrics are observed by a `RequestTracker` per served request.
+
+    With `num_replicas` > 1 (hardware.data_parallel) every metric one engine feeds (its queue,
+    KV, prefix cache, steps, restarts, memory) carries a `replica` label ("0", "1", ...) and is
+    fed through `replica(i)`; with one engine the names and series are unlabelled, as ever.
+    Request metrics (latencies, tokens, outcomes) stay server-wide either way."""
 
     def __init__(
         self,
         device_memory_bytes: int | None = None,
         target_ttft_ms: float | None = None,
         target_tpot_ms: float | None = None,
+        num_replicas: int = 1,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self.num_replicas = num_replicas
+        rl = ["replica"] if num_replicas > 1 else []  # the label of what one engine feeds
         self.ttft = Histogram("tidal:time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
         self.itl = Histogram("tidal:inter_token_latency_seconds", "Gap between output tokens.", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
         self.e2e = Histogram("tidal:e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
         self.queue_time = Histogram("tidal:request_queue_time_seconds", "Arrival to first scheduled.", buckets=_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
-        self.running = Gauge("tidal:num_requests_running", "Sequences running in the engine.", registry=r)  # fmt: skip
-        self.waiting = Gauge("tidal:num_requests_waiting", "Sequences waiting in the queue.", registry=r)  # fmt: skip
-        self.kv_usage = Gauge("tidal:kv_cache_usage_ratio", "Fraction of KV blocks held by requests.", registry=r)  # fmt: skip
+        self.running = Gauge("tidal:num_requests_running", "Sequences running in the engine.", labelnames=rl, registry=r)  # fmt: skip
+        self.waiting = Gauge("tidal:num_requests_waiting", "Sequences waiting in the queue.", labelnames=rl, registry=r)  # fmt: skip
+        self.kv_usage = Gauge("tidal:kv_cache_usage_ratio", "Fraction of KV blocks held by requests.", labelnames=rl, registry=r)  # fmt: skip
         # Counter names drop the _total suffix: prometheus_client appends it.
-        self.prefix_queries = Counter("tidal:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r)  # fmt: skip
-        self.prefix_hits = Counter("tidal:prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r)  # fmt: skip
-        self.preemptions = Counter("tidal:num_preemptions", "Sequences preempted.", registry=r)  # fmt: skip
+        self.prefix_queries = Counter("tidal:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labelnames=rl, registry=r)  # fmt: skip
+        self.prefix_hits = Counter("tidal:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labelnames=rl, registry=r)  # fmt: skip
+        self.preemptions = Counter("tidal:num_preemptions", "Sequences preempted.", labelnames=rl, registry=r)  # fmt: skip
         self.prompt_tokens = Counter("tidal:prompt_tokens", "Prompt tokens of served requests.", registry=r)  # fmt: skip
         self.generation_tokens = Counter("tidal:generation_tokens", "Tokens generated.", registry=r)  # fmt: skip
         self.success = Counter("tidal:request_success", "Requests finished, by reason.", ["finished_reason"], registry=r)  # fmt: skip
         self.rejected = Counter("tidal:request_rejected", "Requests refused before or by the engine, by reason.", ["reason"], registry=r)  # fmt: skip
-        self.batch_utilization = Histogram("tidal:batch_utilization", "Token utilization: scheduled tokens / token budget per step.", buckets=_RATIO_BUCKETS, registry=r)  # fmt: skip
-        self.seat_utilization = Histogram("tidal:seat_utilization", "Seat utilization: running sequences / seat cap per step.", buckets=_RATIO_BUCKETS, registry=r)  # fmt: skip
-        self.token_budget = Gauge("tidal:scheduler_token_budget", "The batch controller's token budget of the last step.", registry=r)  # fmt: skip
-        self.prefill_budget = Gauge("tidal:scheduler_prefill_budget", "Of the token budget, the tokens prefill chunks may take.", registry=r)  # fmt: skip
-        self.seat_cap = Gauge("tidal:scheduler_seat_cap", "The batch controller's running-sequence cap.", registry=r)  # fmt: skip
-        self.headroom = Gauge("tidal:scheduler_headroom", "The controller's hysteresis factor on the TPOT target (1: the cost model is trusted).", registry=r)  # fmt: skip
-        self.step_cost = Gauge("tidal:step_cost_seconds", "The step cost model: seconds per unit of each term.", ["term"], registry=r)  # fmt: skip
-        self.step_predicted = Histogram("tidal:step_duration_predicted_seconds", "The cost model's prediction of each step's time.", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
+        self.batch_utilization = Histogram("tidal:batch_utilization", "Token utilization: scheduled tokens / token budget per step.", buckets=_RATIO_BUCKETS, labelnames=rl, registry=r)  # fmt: skip
+        self.seat_utilization = Histogram("tidal:seat_utilization", "Seat utilization: running sequences / seat cap per step.", buckets=_RATIO_BUCKETS, labelnames=rl, registry=r)  # fmt: skip
+        self.token_budget = Gauge("tidal:scheduler_token_budget", "The batch controller's token budget of the last step.", labelnames=rl, registry=r)  # fmt: skip
+        self.prefill_budget = Gauge("tidal:scheduler_prefill_budget", "Of the token budget, the tokens prefill chunks may take.", labelnames=rl, registry=r)  # fmt: skip
+        self.seat_cap = Gauge("tidal:scheduler_seat_cap", "The batch controller's running-sequence cap.", labelnames=rl, registry=r)  # fmt: skip
+        self.headroom = Gauge("tidal:scheduler_headroom", "The controller's hysteresis factor on the TPOT target (1: the cost model is trusted).", labelnames=rl, registry=r)  # fmt: skip
+        self.step_cost = Gauge("tidal:step_cost_seconds", "The step cost model: seconds per unit of each term.", labelnames=["term", *rl], registry=r)  # fmt: skip
+        self.step_predicted = Histogram("tidal:step_duration_predicted_seconds", "The cost model's prediction of each step's time.", buckets=_ITL_BUCKETS_S, labelnames=rl, registry=r)  # fmt: skip
         # Per configured target (batching.target_ttft_ms / target_tpot_ms): requests that met it,
         # and goodput (requests that met every target).
         self.slo_requests = Counter("tidal:slo_requests", "Finished requests judged against each latency target.", ["slo", "result"], registry=r)  # fmt: skip
@@ -79,40 +87,35 @@ class ServerMetrics:
                 self.targets_s[slo] = ms / 1000
                 self.slo_attainment.labels(slo=slo).set(1.0)
         self._slo_counts: dict[str, list[int]] = {slo: [0, 0] for slo in self.targets_s}
-        self.iteration_tokens = Histogram("tidal:iteration_tokens", "Tokens scheduled per step.", buckets=_TOKEN_BUCKETS, registry=r)  # fmt: skip
-        self.moe_expert_tokens = Histogram("tidal:moe_expert_tokens", "MoE models: tokens routed to one expert in one step, summed over the sparse layers (one observation per expert per step).", buckets=_EXPERT_TOKEN_BUCKETS, registry=r)  # fmt: skip
-        self.moe_imbalance = Gauge("tidal:moe_expert_load_imbalance", "MoE models: the last step's busiest expert's tokens over the mean per expert (1: even).", registry=r)  # fmt: skip
-        self.step_duration = Histogram("tidal:step_duration_seconds", "Wall time of one engine step.", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
+        self.iteration_tokens = Histogram("tidal:iteration_tokens", "Tokens scheduled per step.", buckets=_TOKEN_BUCKETS, labelnames=rl, registry=r)  # fmt: skip
+        self.moe_expert_tokens = Histogram("tidal:moe_expert_tokens", "MoE models: tokens routed to one expert in one step, summed over the sparse layers (one observation per expert per step).", buckets=_EXPERT_TOKEN_BUCKETS, labelnames=rl, registry=r)  # fmt: skip
+        self.moe_imbalance = Gauge("tidal:moe_expert_load_imbalance", "MoE models: the last step's busiest expert's tokens over the mean per expert (1: even).", labelnames=rl, registry=r)  # fmt: skip
+        self.step_duration = Histogram("tidal:step_duration_seconds", "Wall time of one engine step.", buckets=_ITL_BUCKETS_S, labelnames=rl, registry=r)  # fmt: skip
         self.process_memory = Gauge("tidal:process_memory_bytes", "Resident memory of the server process.", registry=r)  # fmt: skip
         self.memory_fraction = Gauge("tidal:memory_fraction", "Used / total memory of the serving device (RAM on CPU).", registry=r)  # fmt: skip
-        self.model_load = Gauge("tidal:model_load_seconds", "Time to load the model.", registry=r)  # fmt: skip
-        self.engine_restarts = Counter("tidal:engine_restarts", "Engine processes restarted after dying or hanging.", registry=r)  # fmt: skip
-        self.engine_up = Gauge("tidal:engine_up", "1 while the engine is running, 0 while it is down or restarting.", registry=r)  # fmt: skip
-        self.requests_failed = Counter("tidal:requests_failed", "Engine requests failed by an engine failure, by reason.", ["reason"], registry=r)  # fmt: skip
-        self.engine_memory = Gauge("tidal:engine_process_memory_bytes", "Resident memory of the engine process; 0 while none runs (or the engine runs in the server process).", registry=r)  # fmt: skip
+        self.model_load = Gauge("tidal:model_load_seconds", "Time to load the model.", labelnames=rl, registry=r)  # fmt: skip
+        self.engine_restarts = Counter("tidal:engine_restarts", "Engine processes restarted after dying or hanging.", labelnames=rl, registry=r)  # fmt: skip
+        self.engine_up = Gauge("tidal:engine_up", "1 while the engine is running, 0 while it is down or restarting.", labelnames=rl, registry=r)  # fmt: skip
+        self.requests_failed = Counter("tidal:requests_failed", "Engine requests failed by an engine failure, by reason.", labelnames=["reason", *rl], registry=r)  # fmt: skip
+        self.engine_memory = Gauge("tidal:engine_process_memory_bytes", "Resident memory of the engine process; 0 while none runs (or the engine runs in the server process).", labelnames=rl, registry=r)  # fmt: skip
+        self.router_decisions = Counter("tidal:router_decisions", "Requests routed to each replica, by why (session, prefix, load, moved); data parallel only.", ["replica", "reason"], registry=r)  # fmt: skip
         self._process = psutil.Process(os.getpid())
         self._device_memory_bytes = device_memory_bytes
-        self._engine_pid: Callable[[], int | None] = lambda: None
-        self._engine_process: psutil.Process | None = None
         self.process_memory.set_function(lambda: float(self._process.memory_info().rss))
-        self.engine_memory.set_function(self._engine_rss)
         self.memory_fraction.set_function(self._memory_fraction)
+        self._replicas = [ReplicaMetrics(self, i) for i in range(num_replicas)]
 
-    def watch_engine(self, engine_pid: Callable[[], int | None]) -> None:
+    def replica(self, index: int) -> ReplicaMetrics:
+        """The metrics engine replica `index` feeds (0 is the only one without data parallel)."""
+        return self._replicas[index]
+
+    def watch_engine(self, engine_pid: Callable[[], int | None], replica: int = 0) -> None:
         """Report the RSS of the process `engine_pid()` names (None while no engine runs)."""
-        self._engine_pid = engine_pid
+        self._replicas[replica].engine_pid = engine_pid
 
-    def _engine_rss(self) -> float:
-        # Read at scrape time only: one /proc read; the Process object is kept per pid.
-        pid = self._engine_pid()
-        if pid is None:
-            return 0.0
-        try:
-            if self._engine_process is None or self._engine_process.pid != pid:
-                self._engine_process = psutil.Process(pid)
-            return float(self._engine_process.memory_info().rss)
-        except psutil.Error:  # it died between the pid lookup and the read
-            return 0.0
+    def on_step(self, stats: StepStats) -> None:
+        """The engine's on_step callback (engine thread); the single engine's."""
+        self._replicas[0].on_step(stats)
 
     def _memory_fraction(self) -> float:
         # NOTE: torch only on a CUDA engine (in this process): the API process of a supervised
@@ -127,35 +130,6 @@ class ServerMetrics:
                 pass
         vm = psutil.virtual_memory()
         return (vm.total - vm.available) / vm.total
-
-    def on_step(self, stats: StepStats) -> None:
-        """The engine's on_step callback (engine thread)."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_usage)
-        if stats.prefix_queried_tokens:
-            self.prefix_queries.inc(stats.prefix_queried_tokens)
-        if stats.prefix_hit_tokens:
-            self.prefix_hits.inc(stats.prefix_hit_tokens)
-        if stats.num_preempted:
-            self.preemptions.inc(stats.num_preempted)
-        self.token_budget.set(stats.token_budget)
-        self.prefill_budget.set(stats.prefill_budget)
-        self.seat_cap.set(stats.seat_cap)
-        self.headroom.set(stats.headroom)
-        for term, seconds in zip(TERMS, stats.cost_coefficients):
-            self.step_cost.labels(term=term).set(seconds)
-        if stats.num_scheduled_tokens:  # idle bookkeeping steps would skew the histograms
-            self.batch_utilization.observe(stats.batch_utilization)
-            self.seat_utilization.observe(stats.seat_utilization)
-            self.iteration_tokens.observe(stats.num_scheduled_tokens)
-            self.step_duration.observe(stats.step_time_s)
-            self.step_predicted.observe(stats.predicted_step_s)
-        if stats.moe_expert_tokens and any(stats.moe_expert_tokens):
-            for n in stats.moe_expert_tokens:
-                self.moe_expert_tokens.observe(n)
-            mean = sum(stats.moe_expert_tokens) / len(stats.moe_expert_tokens)
-            self.moe_imbalance.set(max(stats.moe_expert_tokens) / mean)
 
     def observe_slo(self, ttft_s: float | None, tpot_s: float | None) -> None:
         """Judge one finished request against the configured targets (a request with one output

@@ -1,0 +1,1 @@
+"""Data parallel: which engine replica serves a request (session, cached prefix, load)."""
