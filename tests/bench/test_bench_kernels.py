@@ -286,4 +286,4 @@ def test_tidal_side_runs_on_a_tiny_model(tmp_path: Path) -> None:
     assert settings["config"]["cache"]["block_size"] == 8
     assert steps is not None and steps.steps == 3 and steps.num_layers == 4
     # aten_s is a difference of two timed runs, 0 where it is below their noise (see profile_decode)
-    assert steps.native_s > 0 and steps.aten_s >= 0 and steps.wall_s > 0
+    assert steps.native_s >= 0 and steps.aten_s >= 0 and steps.wall_s > 0
