@@ -20,6 +20,7 @@ from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
 from tidal.scheduler.output import SchedulerOutput
 from tidal.scheduler.scheduler import Scheduler
+from tidal.structured.matchers import GrammarMatchers
 from tidal.worker.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 
 
@@ -78,6 +79,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, clock, on_cpu=on_cpu)
         self.runner = ModelRunner(loaded, self.layout, self.num_blocks, kv_dtype)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(arch.eos_token_ids)
+        self.runner.grammars = GrammarMatchers(
+            lambda: _tokenizer_json(tokenizer), arch.vocab_size, self.eos_token_ids
+        )
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self.last_stats: StepStats | None = None
@@ -132,6 +136,8 @@ class EngineCore:
                 f"logit_bias={{{bad_bias[0]}: ...}} is invalid: expected token ids in "
                 f"[0, {self.loaded.arch.vocab_size})"
             )
+        if params.structured_outputs is not None and self.runner.grammars is not None:
+            self.runner.grammars.check(params.structured_outputs)  # ValueError naming the problem
         if not prompt_token_ids:
             raise ValueError("prompt is empty: expected at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -210,7 +216,14 @@ class EngineCore:
                 self._forget(parent)
         step_s = time.perf_counter() - start
         self.scheduler.record_step(sched, step_s)
-        self.last_stats = StepStats.from_step(self.scheduler.stats, sched, step_s, self.kv)
+        self.last_stats = StepStats.from_step(
+            self.scheduler.stats,
+            sched,
+            step_s,
+            self.kv,
+            num_constrained_seqs=result.num_constrained,
+            grammar_mask_s=result.grammar_mask_s,
+        )
         if self.on_step is not None:
             self.on_step(self.last_stats)
         return outputs
@@ -345,6 +358,13 @@ def _token_ids(token_ids: Sequence[object], vocab_size: int) -> list[int]:
             )
         out.append(value)
     return out
+
+
+def _tokenizer_json(tokenizer) -> str:
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        raise ValueError("structured_outputs needs the checkpoint's tokenizers tokenizer")
+    return hf.to_str()
 
 
 def _replace(params: SamplingParams, **changes: object) -> SamplingParams:

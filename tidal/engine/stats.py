@@ -46,10 +46,19 @@ class StepStats:
     cost_coefficients: tuple[float, ...]
     # The controller's headroom (its hysteresis state; 1.0 unless a TPOT target corrected it).
     headroom: float
+    # Constrained decoding: rows that sampled under a grammar mask this step, and the seconds
+    # their masks took (computed beside the forward, so not all of it adds to step_time_s).
+    num_constrained_seqs: int = 0
+    grammar_mask_s: float = 0.0
 
     @staticmethod
     def from_step(
-        s: SchedulerStats, sched: SchedulerOutput, step_time_s: float, kv: KVCacheManager
+        s: SchedulerStats,
+        sched: SchedulerOutput,
+        step_time_s: float,
+        kv: KVCacheManager,
+        num_constrained_seqs: int = 0,
+        grammar_mask_s: float = 0.0,
     ) -> StepStats:
         budget = max(1, s.token_budget)
         return StepStats(
@@ -80,4 +89,6 @@ class StepStats:
             attended_keys=s.attended_keys,
             cost_coefficients=s.cost_coefficients,
             headroom=s.headroom,
+            num_constrained_seqs=num_constrained_seqs,
+            grammar_mask_s=grammar_mask_s,
         )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -10,7 +12,9 @@ from tidal.attention.metadata import build_metadata
 from tidal.kv.layout import KVLayout
 from tidal.layers.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from tidal.loader.model_loader import LoadedModel
+from tidal.request import Request
 from tidal.scheduler.output import SchedulerOutput
+from tidal.structured.matchers import GrammarMatchers, bitmask_words
 from tidal.worker.kv_cache import allocate_kv_caches
 
 
@@ -34,6 +38,10 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> [(position p, logprobs of token p given tokens < p), ...]
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+    # Constrained decoding this step: rows masked, and the seconds their masks took to compute
+    # (on the mask thread, overlapped with the forward).
+    num_constrained: int = 0
+    grammar_mask_s: float = 0.0
 
 
 class ModelRunner:
@@ -48,10 +56,36 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(layout, num_blocks, kv_dtype, self.device)
         self.sampler = Sampler(loaded.arch.vocab_size, self.device)
         self._generators: dict[str, torch.Generator] = {}
+        # Set by the engine (it has the tokenizer); None serves no constrained request.
+        self.grammars: GrammarMatchers | None = None
+        self._mask_pool: ThreadPoolExecutor | None = None
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
         self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
+
+    def _start_masks(self, constrained: list[Request]) -> Future[tuple[torch.Tensor, float]]:
+        """Compute the constrained rows' bitmasks on the mask thread while the forward runs
+        (llguidance releases the GIL); the future gives the (C, words) masks and their time."""
+        grammars = self.grammars
+        if grammars is None:
+            raise ValueError("structured_outputs is not available: the engine has no grammar state")
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="tidal-grammar")
+        words = bitmask_words(self.arch.vocab_size)
+
+        def fill() -> tuple[torch.Tensor, float]:
+            start = time.perf_counter()
+            masks = torch.empty((len(constrained), words), dtype=torch.int32)
+            for i, req in enumerate(constrained):
+                spec = req.sampling_params.structured_outputs
+                assert spec is not None  # only constrained requests are passed in
+                grammars.fill(req.request_id, spec, req.output_token_ids, masks[i])
+            return masks, time.perf_counter() - start
+
+        return self._mask_pool.submit(fill)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -95,6 +129,12 @@ class ModelRunner:
                     )
                 )
                 row_ids.append(req.request_id)
+        constrained = [
+            sr.request
+            for sr in sched.scheduled
+            if sr.sample and sr.request.sampling_params.structured_outputs is not None
+        ]
+        masks_future = self._start_masks(constrained) if constrained else None
         meta = build_metadata(
             [sr.num_tokens for sr in sched.scheduled],
             [sr.start + sr.num_tokens for sr in sched.scheduled],
@@ -104,7 +144,17 @@ class ModelRunner:
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, pos, meta, self.kv_caches)
+        try:
+            hidden = self.model(input_ids, pos, meta, self.kv_caches)
+        finally:
+            masks = None if masks_future is None else masks_future.result()
+        if masks is not None:
+            bitmasks, out.grammar_mask_s = masks
+            out.num_constrained = len(constrained)
+            which = {req.request_id: i for i, req in enumerate(constrained)}
+            for row, rid in zip(rows, row_ids, strict=True):
+                if rid in which:
+                    row.grammar_bitmask = bitmasks[which[rid]]
         if rows:
             logits = self.model.compute_logits(
                 hidden[torch.tensor(sample_rows, device=self.device)]
