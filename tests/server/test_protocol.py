@@ -232,7 +232,6 @@ USER = [{"role": "user", "content": "x"}]
         (ChatCompletionRequest, {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
         (ChatCompletionRequest, {"messages": USER, "top_logprobs": 3}, "top_logprobs", "needs logprobs set to true"),
         (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "not supported"),
-        (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format", "'json_object' is not supported"),
         (ChatCompletionRequest, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias", "token id"),
         (ChatCompletionRequest, {"messages": USER, "timeout_s": 0}, "timeout_s", "positive number of seconds"),
         (CompletionRequest, {"prompt": [1, "a"]}, "prompt", "must be a string, a list of strings"),

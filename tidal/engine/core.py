@@ -79,9 +79,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, clock, on_cpu=on_cpu)
         self.runner = ModelRunner(loaded, self.layout, self.num_blocks, kv_dtype)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(arch.eos_token_ids)
-        self.runner.grammars = GrammarMatchers(
-            lambda: _tokenizer_json(tokenizer), arch.vocab_size, self.eos_token_ids
-        )
+        self.runner.grammars = GrammarMatchers(tokenizer, arch.vocab_size, self.eos_token_ids)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self.last_stats: StepStats | None = None
@@ -358,13 +356,6 @@ def _token_ids(token_ids: Sequence[object], vocab_size: int) -> list[int]:
             )
         out.append(value)
     return out
-
-
-def _tokenizer_json(tokenizer) -> str:
-    hf = getattr(tokenizer, "hf", None)
-    if hf is None:
-        raise ValueError("structured_outputs needs the checkpoint's tokenizers tokenizer")
-    return hf.to_str()
 
 
 def _replace(params: SamplingParams, **changes: object) -> SamplingParams:

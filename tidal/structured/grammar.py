@@ -17,6 +17,15 @@ _COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator
 _FLEXIBLE = {"whitespace_flexible": True}
 
 
+_LABELS = {
+    "json": "JSON schema",
+    "json_object": "JSON object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
+
+
 class GrammarError(ValueError):
     """The spec cannot be compiled; the message names the problem."""
 
@@ -29,10 +38,10 @@ def to_grammar(spec: StructuredOutputs) -> str:
     except GrammarError:
         raise
     except Exception as e:  # llguidance and the GBNF converter raise ValueError / RuntimeError
-        raise GrammarError(f"invalid {spec.kind}: {e}") from None
+        raise GrammarError(f"invalid {_LABELS[spec.kind]}: {e}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise GrammarError(f"invalid {spec.kind}: {error}")
+        raise GrammarError(f"invalid {_LABELS[spec.kind]}: {error}")
     return grammar
 
 
@@ -44,9 +53,9 @@ def _translate(spec: StructuredOutputs) -> str:
         try:
             schema = json.loads(spec.spec)
         except json.JSONDecodeError as e:
-            raise GrammarError(f"invalid json schema: not JSON ({e})") from None
+            raise GrammarError(f"invalid JSON schema: not JSON ({e})") from None
         if not isinstance(schema, (dict, bool)):
-            raise GrammarError("invalid json schema: expected a JSON object")
+            raise GrammarError("invalid JSON schema: expected a JSON object")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.spec)

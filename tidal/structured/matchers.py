@@ -3,9 +3,11 @@ tokens, and the token bitmask each one allows next."""
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import llguidance
 import torch
@@ -37,17 +39,17 @@ class GrammarMatchers:
     its matcher where it left it. If the outputs ever got shorter, the matcher is rolled back.
 
     The llguidance tokenizer is built on the first constrained request (seconds for a 262k
-    vocabulary), from `tokenizer_json` (the tokenizers JSON of the served tokenizer).
+    vocabulary) from `tokenizer` (tidal's loader Tokenizer: its `.hf` tokenizers.Tokenizer).
     """
 
     def __init__(
         self,
-        tokenizer_json: Callable[[], str],
+        tokenizer: Any,
         vocab_size: int,
         eos_token_ids: Collection[int],
         cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
-        self._tokenizer_json = tokenizer_json
+        self._source = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self.cache_size = cache_size
@@ -58,9 +60,7 @@ class GrammarMatchers:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(
-                self._tokenizer_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
-            )
+            self._tokenizer = _ll_tokenizer(self._source, self.vocab_size, self.eos_token_ids)
         return self._tokenizer
 
     def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:
@@ -113,6 +113,48 @@ class GrammarMatchers:
     @property
     def num_tracked(self) -> int:
         return len(self._tracked)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos: list[int]) -> llguidance.LLTokenizer:
+    """llguidance's tokenizer from the tokenizers JSON; for a decoder it cannot read (e.g. a
+    Fuse of single characters) from each token's own bytes instead."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        raise ValueError("structured output needs the checkpoint's tokenizer (tokenizers JSON)")
+    try:
+        return llguidance.LLTokenizer(hf.to_str(), n_vocab=vocab_size, eos_token=eos)
+    except ValueError:
+        pass
+    special = set(getattr(tokenizer, "all_special_ids", ())) | set(eos)
+    tokens: list[bytes] = []
+    for i in range(vocab_size):
+        piece = hf.id_to_token(i)
+        byte = _BYTE_PIECE.fullmatch(piece or "")
+        if piece is None:
+            tokens.append(b"")
+        elif byte:
+            tokens.append(bytes([int(byte.group(1), 16)]))
+        elif i in special:
+            tokens.append(piece.encode())
+        else:
+            tokens.append(hf.decode([i], skip_special_tokens=False).encode())
+
+    class _Source:
+        eos_token_id = eos[0]
+        bos_token_id = getattr(tokenizer, "bos_token_id", None)
+        special_token_ids = sorted(special)
+
+        def __init__(self) -> None:
+            self.tokens = tokens
+
+        def __call__(self, text: str) -> list[int]:
+            return hf.encode(text, add_special_tokens=False).ids
+
+    wrapper = llguidance.TokenizerWrapper(_Source())
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=eos)
 
 
 def _bit(i: int) -> int:
