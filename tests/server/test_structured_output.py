@@ -119,3 +119,20 @@ def test_protocol_builds_one_spec_per_request() -> None:
     assert spec.kind == "json" and json.loads(spec.spec) == SCHEMA
     with pytest.raises(APIError):
         parse_request(CompletionRequest, {"prompt": "x", "guided_json": "{"}).to_sampling_params()
+
+
+def test_metrics_count_constrained_requests_and_mask_time(bpe_server: ServerProcess) -> None:
+    import urllib.request
+
+    # Runs after the tests above (file order): they sent json, regex, choice and grammar requests.
+    with urllib.request.urlopen(f"{bpe_server.base_url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+
+    def value(line_start: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(line_start))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value('tidal:structured_output_requests_total{kind="json"}') >= 2
+    assert value('tidal:structured_output_requests_total{kind="regex"}') >= 1
+    assert value("tidal:grammar_mask_seconds_count") > 0
+    assert value("tidal:grammar_mask_seconds_sum") > 0

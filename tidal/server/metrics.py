@@ -79,6 +79,8 @@ class ServerMetrics:
                 self.slo_attainment.labels(slo=slo).set(1.0)
         self._slo_counts: dict[str, list[int]] = {slo: [0, 0] for slo in self.targets_s}
         self.iteration_tokens = Histogram("tidal:iteration_tokens", "Tokens scheduled per step.", buckets=_TOKEN_BUCKETS, registry=r)  # fmt: skip
+        self.constrained_requests = Counter("tidal:structured_output_requests", "Requests whose output a grammar constrains, by kind (json, json_object, regex, choice, grammar).", ["kind"], registry=r)  # fmt: skip
+        self.grammar_mask = Histogram("tidal:grammar_mask_seconds", "Time to compute one step's grammar masks (all constrained rows; beside the forward).", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
         self.step_duration = Histogram("tidal:step_duration_seconds", "Wall time of one engine step.", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
         self.process_memory = Gauge("tidal:process_memory_bytes", "Resident memory of the server process.", registry=r)  # fmt: skip
         self.memory_fraction = Gauge("tidal:memory_fraction", "Used / total memory of the serving device (RAM on CPU).", registry=r)  # fmt: skip
@@ -148,6 +150,8 @@ class ServerMetrics:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.step_duration.observe(stats.step_time_s)
             self.step_predicted.observe(stats.predicted_step_s)
+        if stats.num_constrained_seqs:
+            self.grammar_mask.observe(stats.grammar_mask_s)
 
     def observe_slo(self, ttft_s: float | None, tpot_s: float | None) -> None:
         """Judge one finished request against the configured targets (a request with one output
