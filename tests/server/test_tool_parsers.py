@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tidal.server.tool_parsers import PARSERS, StreamingToolCalls, parser_for
+from tidal.server.tools import ToolMode, ToolStream, read_calls
 
 WEATHER = {"city": "Paris", "unit": "celsius"}
 TIME = {"tz": "UTC"}
@@ -83,3 +84,28 @@ def test_parser_choice() -> None:
     assert parser_for("mistral", "chatml").name == "mistral"
     with pytest.raises(ValueError, match="tool_call_parser"):
         parser_for("nope", None)
+
+
+@pytest.mark.parametrize("piece", [1, 4, 50])
+def test_required_calls_stream_name_then_argument_fragments(piece: int) -> None:
+    # The layout the "required" grammar produces, with braces and quotes inside strings.
+    args = [{"city": 'Pa}ris \\" {', "n": [1, {"a": 2}]}, {}]
+    text = json.dumps([{"name": "weather", "parameters": args[0]}, {"name": "t", "parameters": {}}])
+    mode = ToolMode("required", ())
+    stream = ToolStream(mode, PARSERS["hermes"]())
+    calls: dict[int, dict] = {}
+    for i in range(0, len(text), piece):
+        content, deltas = stream.feed(text[i : i + piece], final=i + piece >= len(text))
+        assert content == ""
+        for d in deltas:
+            if d.id is not None:
+                calls[d.index] = {"name": d.name, "args": ""}
+            calls[d.index]["args"] += d.arguments
+    assert [(c["name"], json.loads(c["args"])) for c in calls.values()] == [
+        ("weather", args[0]),
+        ("t", {}),
+    ]
+    assert _named(read_calls(mode, PARSERS["hermes"](), text)[1]) == [
+        ("weather", args[0]),
+        ("t", {}),
+    ]

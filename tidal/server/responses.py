@@ -118,10 +118,22 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -146,6 +158,9 @@ class DeltaMessage(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # [{"index", "id", "type", "function": {"name", "arguments"}}]: a call's first fragment
+    # carries id and name, later ones more of function.arguments (OpenAI's stream shape).
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_nulls(self, handler: Any) -> dict[str, Any]:

@@ -31,16 +31,26 @@ from tidal.server.responses import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    ChatToolCall,
     DeltaMessage,
+    FunctionCall,
     random_id,
 )
 from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_event, sse_event
+from tidal.server.tool_parsers import ToolParser, parser_for
+from tidal.server.tools import ToolMode, ToolStream, read_calls
 
 
 async def create_chat_completion(request: Request) -> Response:
     state, req = await admit(request, partial(parse_request, ChatCompletionRequest))
     params = req.to_sampling_params()
-    inp = chat_input(req, state.tokenizer, state.limits)
+    mode = req.tool_mode()
+    parser = parser_for(
+        getattr(state.config.server, "tool_call_parser", None), state.tokenizer.family
+    )
+    if mode.kind == "auto" and parser.start in _special_texts(state.tokenizer):
+        params.skip_special_tokens = False  # the call's markers are special tokens
+    inp = chat_input(req, state.tokenizer, state.limits, mode)
     check_logit_bias(params, state.limits)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(params, len(inp.token_ids), state.limits, param)
@@ -66,26 +76,45 @@ async def create_chat_completion(request: Request) -> Response:
         body = await open_stream(
             outs,
             server.sse_keepalive_s,
-            lambda first: _stream(job, first, outs, num_top, req.include_usage, continuous),
+            lambda first: _stream(
+                job, first, outs, num_top, req.include_usage, continuous, mode, parser
+            ),
         )
         return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     choices, _, usage = await until_disconnect(request, collect(job))
     tok = state.tokenizer
-    out_choices = [
-        ChatCompletionChoice(
-            index=idx,
-            message=ChatResponseMessage(content="".join(ch.text)),
-            logprobs=None
-            if num_top is None
-            else chat_logprobs(ch.token_ids, ch.logprobs, num_top, tok),
-            finish_reason=ch.finish_reason,
+    out_choices = []
+    for idx, ch in sorted(choices.items()):
+        message, finish = _message("".join(ch.text), ch.finish_reason, mode, parser)
+        lp = None if num_top is None else chat_logprobs(ch.token_ids, ch.logprobs, num_top, tok)
+        out_choices.append(
+            ChatCompletionChoice(index=idx, message=message, logprobs=lp, finish_reason=finish)
         )
-        for idx, ch in sorted(choices.items())
-    ]
     body = ChatCompletionResponse(
         id=job.request_id, model=state.served_name, choices=out_choices, usage=usage.usage()
     )
     return Response(body.model_dump_json(), media_type="application/json")
+
+
+def _special_texts(tokenizer) -> set[str]:
+    ids = getattr(tokenizer, "all_special_ids", ())
+    return {t for t in tokenizer.convert_ids_to_tokens(sorted(ids))} if ids else set()
+
+
+def _message(
+    text: str, finish: str | None, mode: ToolMode, parser: ToolParser
+) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's message (content and tool calls) and its finish reason."""
+    if mode.kind == "none":
+        return ChatResponseMessage(content=text), finish
+    content, calls = read_calls(mode, parser, text) if finish != "length" else (text, [])
+    tool_calls = [
+        ChatToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+    if tool_calls and finish == "stop":
+        finish = "tool_calls"
+    return ChatResponseMessage(content=content, tool_calls=tool_calls or None), finish
 
 
 async def _stream(
@@ -95,11 +124,14 @@ async def _stream(
     num_top: int | None,
     include_usage: bool,
     continuous_usage: bool,
+    mode: ToolMode,
+    parser: ToolParser,
 ) -> AsyncIterator[bytes]:
     state = job.state
     tok = state.tokenizer
     head = {"id": job.request_id, "created": int(time.time()), "model": state.served_name}
     choices: dict[int, ChoiceState] = {}
+    tool_streams: dict[int, ToolStream] = {}
     usage = UsageCounter()
 
     def chunk(choice: ChatCompletionStreamChoice) -> bytes:
@@ -129,15 +161,27 @@ async def _stream(
                         )
                     )
                 ch.finish_reason = c.finish_reason
-                if not c.text and c.finish_reason is None and (num_top is None or not c.token_ids):
+                text, calls, finish = c.text, None, c.finish_reason
+                if mode.kind != "none":
+                    ts = tool_streams.setdefault(c.index, ToolStream(mode, parser))
+                    text, deltas = ts.feed(c.text, final=c.finish_reason is not None)
+                    calls = [d.to_json() for d in deltas] or None
+                    if ts.num_calls and finish == "stop":
+                        finish = "tool_calls"
+                if (
+                    not text
+                    and not calls
+                    and finish is None
+                    and (num_top is None or not c.token_ids)
+                ):
                     continue  # nothing to show yet (text held back at a possible stop string)
                 lp = None
                 if num_top is not None and c.token_ids:
                     lp = chat_logprobs(c.token_ids, c.logprobs or [], num_top, tok)
-                delta = DeltaMessage(content=c.text) if c.text else DeltaMessage()
+                delta = DeltaMessage(content=text or None, tool_calls=calls)
                 yield chunk(
                     ChatCompletionStreamChoice(
-                        index=c.index, delta=delta, logprobs=lp, finish_reason=c.finish_reason
+                        index=c.index, delta=delta, logprobs=lp, finish_reason=finish
                     )
                 )
         if include_usage:

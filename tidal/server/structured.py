@@ -83,8 +83,10 @@ def _spec(kind: str, value: object, param: str) -> StructuredOutputs:
     if kind == "json" and isinstance(value, dict):
         return StructuredOutputs("json", json.dumps(value))
     if kind == "choice":
-        if not isinstance(value, list) or not value or not all(
-            isinstance(c, str) and c for c in value
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(c, str) and c for c in value)
         ):
             raise bad_request(
                 f"Invalid value for '{param}': expected a non-empty list of non-empty strings",
