@@ -78,6 +78,9 @@ def test_plain_text_is_content_and_a_broken_call_falls_back_to_text(name: str) -
 
 
 def test_parser_choice() -> None:
+    from tidal.config.server import TOOL_CALL_PARSERS
+
+    assert set(TOOL_CALL_PARSERS) == set(PARSERS)
     assert parser_for(None, "chatml").name == "hermes"
     assert parser_for(None, "llama3").name == "llama3_json"
     assert parser_for(None, "gemma").name == "hermes"

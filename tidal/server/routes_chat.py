@@ -46,7 +46,7 @@ async def create_chat_completion(request: Request) -> Response:
     params = req.to_sampling_params()
     mode = req.tool_mode()
     parser = parser_for(
-        getattr(state.config.server, "tool_call_parser", None), state.tokenizer.family
+        state.config.server.tool_call_parser, state.tokenizer.family
     )
     if mode.kind == "auto" and parser.start in _special_texts(state.tokenizer):
         params.skip_special_tokens = False  # the call's markers are special tokens
