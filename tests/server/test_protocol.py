@@ -231,7 +231,7 @@ USER = [{"role": "user", "content": "x"}]
          "messages[0].content", "part 0 has type 'image_url'"),
         (ChatCompletionRequest, {"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", "only allowed when stream is true"),
         (ChatCompletionRequest, {"messages": USER, "top_logprobs": 3}, "top_logprobs", "needs logprobs set to true"),
-        (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "not supported"),
+        (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "tool 0 must be"),
         (ChatCompletionRequest, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias", "token id"),
         (ChatCompletionRequest, {"messages": USER, "timeout_s": 0}, "timeout_s", "positive number of seconds"),
         (CompletionRequest, {"prompt": [1, "a"]}, "prompt", "must be a string, a list of strings"),
