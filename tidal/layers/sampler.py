@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from tidal.kernels.token_mask import apply_token_bitmask_
 from tidal.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
@@ -179,20 +180,23 @@ class Sampler:
         picked = [i for i, r in enumerate(rows) if r.grammar_bitmask is not None]
         if not picked:
             return logits
+        masks = torch.stack([rows[i].grammar_bitmask for i in picked])  # (C, W) int32
+        # NOTE: a row whose grammar allows no token at all keeps its logits (no NaN draw); the
+        # engine's matcher never produces that (it always allows EOS at the end).
+        logits = logits.clone()  # the caller's tensor is not ours to change
+        if apply_token_bitmask_(logits, masks, picked):
+            return logits
         idx = torch.tensor(picked, device=logits.device)
-        masks = torch.stack([rows[i].grammar_bitmask for i in picked]).to(logits.device)  # (C, W)
+        masks = masks.to(logits.device)
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((masks[:, :, None] >> shifts) & 1).reshape(len(picked), -1)  # (C, W * 32)
         allowed = allowed[:, : logits.shape[1]].bool()
         if allowed.shape[1] < logits.shape[1]:  # nothing past a narrower mask is allowed
             pad = allowed.new_zeros((len(picked), logits.shape[1] - allowed.shape[1]))
             allowed = torch.cat([allowed, pad], dim=1)
-        # NOTE: a row whose grammar allows no token at all keeps its logits (no NaN draw); the
-        # engine's matcher never produces that (it always allows EOS at the end).
-        masked = logits[idx].masked_fill(~allowed, float("-inf"))
-        dead = ~torch.isfinite(masked.max(dim=-1, keepdim=True).values)
-        masked = torch.where(dead, logits[idx], masked)
-        return logits.index_copy(0, idx, masked)
+        allowed |= ~allowed.any(dim=-1, keepdim=True)  # a dead row keeps every logit
+        masked = torch.where(allowed, logits[idx], float("-inf"))
+        return logits.index_copy_(0, idx, masked)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         rep = [r.params.repetition_penalty for r in rows]

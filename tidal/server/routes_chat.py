@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -45,9 +46,7 @@ async def create_chat_completion(request: Request) -> Response:
     state, req = await admit(request, partial(parse_request, ChatCompletionRequest))
     params = req.to_sampling_params()
     mode = req.tool_mode()
-    parser = parser_for(
-        state.config.server.tool_call_parser, state.tokenizer.family
-    )
+    parser = parser_for(state.config.server.tool_call_parser, state.tokenizer.family)
     if mode.kind == "auto" and parser.start in _special_texts(state.tokenizer):
         params.skip_special_tokens = False  # the call's markers are special tokens
     inp = chat_input(req, state.tokenizer, state.limits, mode)
@@ -96,9 +95,11 @@ async def create_chat_completion(request: Request) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
-def _special_texts(tokenizer) -> set[str]:
+@functools.cache
+def _special_texts(tokenizer) -> frozenset[str]:
+    # Once per tokenizer (the server holds one): Gemma's vocabulary has thousands of specials.
     ids = getattr(tokenizer, "all_special_ids", ())
-    return {t for t in tokenizer.convert_ids_to_tokens(sorted(ids))} if ids else set()
+    return frozenset(tokenizer.convert_ids_to_tokens(sorted(ids))) if ids else frozenset()
 
 
 def _message(
