@@ -6,8 +6,9 @@
  *     vocabulary is left as it is (the sampler never draws from all -inf), and counted.
  *
  * Only elementwise work on the row itself, so a row's result never depends on its batch.
- * Single-threaded: a mask word that allows everything (-1) is skipped, so a row costs about
- * one read of its mask plus the writes of its disallowed tokens.
+ * Single-threaded: a mask word that allows everything (-1) is skipped and one that allows
+ * nothing (0, most words under a grammar) is a plain fill, so a row costs about one read of its
+ * mask plus the writes of its disallowed tokens.
  * Built by tidal/kernels/build.py. */
 #include <math.h>
 #include <stdint.h>
@@ -34,6 +35,10 @@ int64_t tidal_apply_token_bitmask(float *logits, int64_t ld, int64_t vocab, cons
             if (word == 0xFFFFFFFFu) continue;
             int64_t base = w * 32;
             int64_t end = base + 32 < vocab ? base + 32 : vocab;
+            if (word == 0) { /* the common case under a grammar: 32 at once, vectorized */
+                for (int64_t t = base; t < end; t++) row[t] = -INFINITY;
+                continue;
+            }
             for (int64_t t = base; t < end; t++)
                 if (!((word >> (t - base)) & 1u)) row[t] = -INFINITY;
         }
