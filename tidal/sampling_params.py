@@ -10,6 +10,32 @@ _MAX_LOGIT_BIAS = 100.0
 # Choices per request: OpenAI's own limit. Each choice is a sequence with its own KV blocks, so an
 # unbounded n lets one request take the whole server (the server's own cap, server.max_n, is lower).
 MAX_N = 128
+# What a StructuredOutputs constraint may be: its `spec` is JSON-schema text, a regex, a JSON list
+# of strings, a Lark/EBNF grammar, or "" for json_object (any JSON object).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """A grammar every generated token must keep the output inside (OpenAI's response_format,
+    vLLM's structured_outputs). Plain strings so it pickles small and hashes as a cache key;
+    compiling and validating it is tidal/structured's job.
+
+    EOS is allowed only where the grammar accepts; a request that reaches max_tokens first
+    finishes with "length". `whitespace_flexible` False makes JSON compact (no free whitespace,
+    which a small greedy model can otherwise repeat until max_tokens).
+    """
+
+    kind: str
+    spec: str = ""
+    whitespace_flexible: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS, "structured_outputs", self.kind,
+               f"a kind in {', '.join(STRUCTURED_KINDS)}")  # fmt: skip
+        _check(isinstance(self.spec, str), "structured_outputs", self.spec, "a string spec")
+        _check(self.kind == "json_object" or bool(self.spec), "structured_outputs", self.spec,
+               f"a non-empty spec for kind {self.kind!r}")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -40,6 +66,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # token id -> value added to its logit before sampling and logprobs (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
+    # Constrained decoding: the output must match this grammar (None: unconstrained).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -115,6 +143,14 @@ class SamplingParams:
                 {token: bias},
                 f"biases in [-{_MAX_LOGIT_BIAS:g}, {_MAX_LOGIT_BIAS:g}]",
             )
+
+        _check(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs",
+            self.structured_outputs,
+            "a StructuredOutputs or None",
+        )
 
     @property
     def greedy(self) -> bool:

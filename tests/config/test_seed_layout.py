@@ -97,7 +97,8 @@ def test_refused_keys_are_refused_from_every_layer() -> None:
     ):
         load_config(None, {}, {"hardware.tensor_parallel": 0})
     with pytest.raises(
-        ValueError, match=r"^hardware\.distributed_executor_backend='mpi' is invalid.*\(from environment"
+        ValueError,
+        match=r"^hardware\.distributed_executor_backend='mpi' is invalid.*\(from environment",
     ):
         load_config(None, {"TIDAL_HARDWARE_DISTRIBUTED_EXECUTOR_BACKEND": "mpi"}, {})
     tp = load_config(None, {"TIDAL_HARDWARE_TENSOR_PARALLEL": "2"}, {})

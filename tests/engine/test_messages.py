@@ -19,7 +19,7 @@ from tidal.engine.messages import (
 )
 from tidal.engine.output import CompletionOutput, Logprob, RequestDelta, RequestMetrics
 from tidal.engine.stats import StepStats
-from tidal.sampling_params import SamplingParams
+from tidal.sampling_params import SamplingParams, StructuredOutputs
 
 _STATS = StepStats(
     num_scheduled_tokens=7, token_budget=64, batch_utilization=7 / 64, num_scheduled_seqs=2,
@@ -60,6 +60,11 @@ MESSAGES = [
         queue_timeout_s=0.5,
     ),
     AddRequest("r", [1], SamplingParams()),
+    AddRequest(
+        "c",
+        [1],
+        SamplingParams(structured_outputs=StructuredOutputs("json", '{"type": "object"}')),
+    ),
     AbortRequest("cmpl-1-0"),
     Shutdown(),
     EngineReady(

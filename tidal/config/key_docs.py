@@ -221,6 +221,11 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "null: the context length",
         "--max-total-output-tokens",
     ),
+    "server.tool_call_parser": KeyDoc(
+        "how tool calls are read from chat replies (hermes, llama3_json, mistral, deepseek_v3); "
+        "null: by the model's chat family",
+        "--tool-call-parser",
+    ),
     "server.max_body_bytes": KeyDoc("larger request bodies get 413", "--max-body-bytes", "4MiB"),
     "server.drain_timeout_s": KeyDoc(
         "on SIGTERM, let running requests finish for up to this long", "--drain-timeout-s"

@@ -10,6 +10,8 @@ from tidal.sampling_params import MAX_N
 # How chat completions split a model's reasoning from its answer (tidal/server/reasoning.py holds
 # the parsers): "auto" picks one from the chat template, "none" returns the text as content.
 REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
+# server/tool_parsers.py's formats (a test keeps the two lists equal).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "deepseek_v3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +33,9 @@ class ServerConfig:
     max_total_output_tokens: int | None = None
     # Bodies above this get 413. 4 MiB holds a 128k-token prompt sent as text or as token ids.
     max_body_bytes: int = 4 << 20
+    # How chat replies' tool calls are read (tool_choice auto). None: by the model's chat family
+    # (ChatML/Qwen hermes, Llama 3 llama3_json, Mistral mistral, DeepSeek deepseek_v3, else hermes).
+    tool_call_parser: str | None = None
     # On shutdown, stop accepting and let running requests finish for up to this long.
     drain_timeout_s: float = 30.0
     # Run one tiny request before /ready turns true (compiles kernels, touches the KV pool).
@@ -55,6 +60,12 @@ class ServerConfig:
     reasoning_parser: str = "auto"
 
     def __post_init__(self) -> None:
+        check(
+            self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+            "server.tool_call_parser",
+            self.tool_call_parser,
+            f"null or one of {', '.join(TOOL_CALL_PARSERS)}",
+        )
         # A list from YAML or JSON becomes a tuple so the config stays hashable and immutable.
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
         check(

@@ -94,7 +94,9 @@ def build_engine(
         ShardPlan(arch, 0, tp)  # a degree the model cannot split fails before any rank starts
         group = _start_group(config, path, dtype, device, scheme, on_group_lost)
         if progress:
-            progress(f"tensor parallel: {tp} ranks ({config.hardware.distributed_executor_backend})")
+            progress(
+                f"tensor parallel: {tp} ranks ({config.hardware.distributed_executor_backend})"
+            )
     try:
         # The tokenizer (Rust, off the GIL) loads while torch dequantizes the weights.
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -116,7 +118,9 @@ def build_engine(
                 make_executor=group.executor,
             )  # fmt: skip
             if progress:
-                progress(f"KV cache: {core.num_blocks} blocks of {core.layout.page_bytes} bytes per rank")
+                progress(
+                    f"KV cache: {core.num_blocks} blocks of {core.layout.page_bytes} bytes per rank"
+                )
             return core
     except BaseException:
         if group is not None:

@@ -20,6 +20,7 @@ from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
 from tidal.scheduler.output import SchedulerOutput
 from tidal.scheduler.scheduler import Scheduler
+from tidal.structured.matchers import GrammarMatchers
 from tidal.worker.model_runner import ModelRunner, RunnerOutput, TokenLogprobs
 
 
@@ -90,6 +91,7 @@ class EngineCore:
         # sized by one rank's memory; every rank allocates the same number of blocks.
         self.runner = (make_executor or ModelRunner)(loaded, self.layout, self.num_blocks, kv_dtype)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids) | frozenset(arch.eos_token_ids)
+        self.runner.grammars = GrammarMatchers(tokenizer, arch.vocab_size, self.eos_token_ids)
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self.last_stats: StepStats | None = None
@@ -144,6 +146,8 @@ class EngineCore:
                 f"logit_bias={{{bad_bias[0]}: ...}} is invalid: expected token ids in "
                 f"[0, {self.loaded.arch.vocab_size})"
             )
+        if params.structured_outputs is not None and self.runner.grammars is not None:
+            self.runner.grammars.check(params.structured_outputs)  # ValueError naming the problem
         if not prompt_token_ids:
             raise ValueError("prompt is empty: expected at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -229,7 +233,13 @@ class EngineCore:
         step_s = time.perf_counter() - start
         self.scheduler.record_step(sched, step_s)
         self.last_stats = StepStats.from_step(
-            self.scheduler.stats, sched, step_s, self.kv, result.moe_expert_tokens
+            self.scheduler.stats,
+            sched,
+            step_s,
+            self.kv,
+            result.moe_expert_tokens,
+            num_constrained_seqs=result.num_constrained,
+            grammar_mask_s=result.grammar_mask_s,
         )
         if self.on_step is not None:
             self.on_step(self.last_stats)

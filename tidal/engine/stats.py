@@ -49,6 +49,10 @@ class StepStats:
     # MoE models: tokens routed to each expert this step, summed over the sparse layers (empty
     # for dense models); /metrics turns it into the expert-load histogram.
     moe_expert_tokens: tuple[int, ...] = ()
+    # Constrained decoding: rows that sampled under a grammar mask this step, and the seconds
+    # their masks took (computed beside the forward, so not all of it adds to step_time_s).
+    num_constrained_seqs: int = 0
+    grammar_mask_s: float = 0.0
 
     @staticmethod
     def from_step(
@@ -57,6 +61,8 @@ class StepStats:
         step_time_s: float,
         kv: KVCacheManager,
         moe_expert_tokens: tuple[int, ...] = (),
+        num_constrained_seqs: int = 0,
+        grammar_mask_s: float = 0.0,
     ) -> StepStats:
         budget = max(1, s.token_budget)
         return StepStats(
@@ -88,4 +94,6 @@ class StepStats:
             cost_coefficients=s.cost_coefficients,
             headroom=s.headroom,
             moe_expert_tokens=moe_expert_tokens,
+            num_constrained_seqs=num_constrained_seqs,
+            grammar_mask_s=grammar_mask_s,
         )

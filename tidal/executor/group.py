@@ -113,6 +113,14 @@ class TensorParallelExecutor:
             self.group._lose(f"a step failed on rank 0 ({type(e).__name__}: {e})")
             raise GroupLost(self.group.lost or str(e)) from e
 
+    @property
+    def grammars(self):  # the engine hands rank 0's runner its grammar matchers (rank 0 samples)
+        return self.runner.grammars
+
+    @grammars.setter
+    def grammars(self, value) -> None:
+        self.runner.grammars = value
+
     def release(self, request_id: str) -> None:
         self.runner.release(request_id)
 

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from tidal.kernels.token_mask import apply_token_bitmask_
 from tidal.sampling_params import SamplingParams
 
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
@@ -28,6 +29,9 @@ class SamplingRow:
     generator: torch.Generator | None = None
     # The model's EOS ids; suppressed with params.stop_token_ids until min_tokens are generated.
     eos_token_ids: Collection[int] = field(default_factory=frozenset)
+    # Constrained decoding: (ceil(V / 32),) int32, bit (id % 32) of word (id // 32) set where the
+    # request's grammar allows token id next; None for an unconstrained row.
+    grammar_bitmask: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -95,12 +99,13 @@ def _greedy(logits: torch.Tensor) -> torch.Tensor:
 
 
 class Sampler:
-    """Batched sampling: logit bias -> penalties -> min_tokens -> temperature -> top-k -> top-p ->
-    min-p -> draw.
+    """Batched sampling: logit bias -> penalties -> grammar mask -> min_tokens -> temperature ->
+    top-k -> top-p -> min-p -> draw.
 
     Logprobs are the log-softmax after `logit_bias` (OpenAI reports the biased distribution) and
     before penalties, temperature and filtering, as vLLM v1 returns by default: they describe the
     model, not the sampling policy, and stay comparable across requests with different parameters.
+    The grammar mask only touches the constrained rows: the others' logits stay bit-identical.
 
     A seeded row draws with the exponential race, argmax(probs / q) with q ~ Exp(1) per token, its
     whole q vector from its own generator every step, so its tokens depend only on its seed and
@@ -129,6 +134,7 @@ class Sampler:
         if num_logprobs:
             raw = torch.log_softmax(logits, dim=-1)  # (B, V), before any policy is applied
         logits = self._apply_penalties(logits, rows)
+        logits = self._apply_grammar(logits, rows)
         logits = self._suppress_stops(logits, rows)
 
         greedy = [r.params.temperature < _MIN_TEMPERATURE for r in rows]
@@ -169,6 +175,28 @@ class Sampler:
         token_ids = torch.tensor([t[1] for t in triples], device=dev)
         biases = torch.tensor([t[2] for t in triples], dtype=logits.dtype, device=dev)
         return logits.index_put((row_ids, token_ids), biases, accumulate=True)
+
+    def _apply_grammar(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        picked = [i for i, r in enumerate(rows) if r.grammar_bitmask is not None]
+        if not picked:
+            return logits
+        masks = torch.stack([rows[i].grammar_bitmask for i in picked])  # (C, W) int32
+        # NOTE: a row whose grammar allows no token at all keeps its logits (no NaN draw); the
+        # engine's matcher never produces that (it always allows EOS at the end).
+        logits = logits.clone()  # the caller's tensor is not ours to change
+        if apply_token_bitmask_(logits, masks, picked):
+            return logits
+        idx = torch.tensor(picked, device=logits.device)
+        masks = masks.to(logits.device)
+        shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = ((masks[:, :, None] >> shifts) & 1).reshape(len(picked), -1)  # (C, W * 32)
+        allowed = allowed[:, : logits.shape[1]].bool()
+        if allowed.shape[1] < logits.shape[1]:  # nothing past a narrower mask is allowed
+            pad = allowed.new_zeros((len(picked), logits.shape[1] - allowed.shape[1]))
+            allowed = torch.cat([allowed, pad], dim=1)
+        allowed |= ~allowed.any(dim=-1, keepdim=True)  # a dead row keeps every logit
+        masked = torch.where(allowed, logits[idx], float("-inf"))
+        return logits.index_copy_(0, idx, masked)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         rep = [r.params.repetition_penalty for r in rows]

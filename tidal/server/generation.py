@@ -134,6 +134,9 @@ class GenerationJob:
         started_s = loop.time()
         held: dict[int, RequestDelta] = {}  # merged deltas not yet sent, by prompt index
         sent_s = -math.inf
+        if self.params.structured_outputs is not None:
+            kind = self.params.structured_outputs.kind
+            state.metrics.constrained_requests.labels(kind=kind).inc(len(self.inputs))
         try:
             for i, inp in enumerate(self.inputs):
                 try:

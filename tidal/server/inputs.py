@@ -9,6 +9,7 @@ from tidal.config.server import ServerConfig
 from tidal.sampling_params import SamplingParams
 from tidal.server.errors import bad_request
 from tidal.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tidal.server.tools import ToolMode, plain_tool_turns, template_message, with_tool_text
 
 
 @dataclass(slots=True)
@@ -73,14 +74,29 @@ def completion_inputs(req: CompletionRequest, tokenizer, limits: PromptLimits) -
     return out
 
 
-def _message_dict(m: ChatMessage) -> dict[str, str]:
+def _message_dict(m: ChatMessage) -> dict:
     # OpenAI's "developer" role is the newer name of "system".
-    return {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    out: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+    if m.tool_calls:
+        out = template_message(
+            {**out, "content": m.content and m.text(), "tool_calls": m.tool_calls}
+        )
+    for key in ("tool_call_id", "name"):
+        if getattr(m, key) is not None:
+            out[key] = getattr(m, key)
+    return out
 
 
-def _render(req: ChatCompletionRequest, tokenizer, messages: list[dict[str, str]]) -> list[int]:
+def _render(
+    req: ChatCompletionRequest, tokenizer, messages: list[dict], mode: ToolMode | None = None
+) -> list[int]:
     extra = dict(req.chat_template_kwargs or {})
     cont = bool(req.continue_final_message)
+    tools = list(mode.tools) if mode is not None and mode.tools else None
+    messages = plain_tool_turns(messages, getattr(tokenizer, "chat_template", None))
+    if tools is not None:
+        extra["tools"] = tools
+        messages = with_tool_text(messages, mode, getattr(tokenizer, "chat_template", None))  # type: ignore[arg-type]
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=bool(req.add_generation_prompt) and not cont, **extra
@@ -98,10 +114,13 @@ def _render(req: ChatCompletionRequest, tokenizer, messages: list[dict[str, str]
     return tokenizer.encode(text, add_special_tokens=False)
 
 
-def chat_input(req: ChatCompletionRequest, tokenizer, limits: PromptLimits) -> PromptInput:
-    """The rendered conversation; with truncation=left the oldest turns after the system message go first."""
+def chat_input(
+    req: ChatCompletionRequest, tokenizer, limits: PromptLimits, mode: ToolMode | None = None
+) -> PromptInput:
+    """The rendered conversation (with the tools of `mode`); with truncation=left the oldest
+    turns after the system message go first."""
     messages = [_message_dict(m) for m in req.messages]
-    ids = _render(req, tokenizer, messages)
+    ids = _render(req, tokenizer, messages, mode)
     while len(ids) > limits.max_input_tokens and limits.truncate_left:
         head = 1 if messages[0]["role"] == "system" else 0
         rest = messages[head:]
@@ -111,7 +130,7 @@ def chat_input(req: ChatCompletionRequest, tokenizer, limits: PromptLimits) -> P
         while len(rest) > 1 and rest[0]["role"] != "user":
             rest = rest[1:]  # a conversation restarts at a user turn (Gemma requires it)
         messages = messages[:head] + rest
-        ids = _render(req, tokenizer, messages)
+        ids = _render(req, tokenizer, messages, mode)
     if len(ids) > limits.max_input_tokens:
         raise _too_long(len(ids), limits, "messages")
     return PromptInput(ids, None)

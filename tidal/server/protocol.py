@@ -3,12 +3,14 @@
 Parsing is strict about types (JSON `"16"` is not an integer, `1` is not `true`) and lenient about
 presence: every optional field also accepts `null` (the `openai` SDK sends `null` for an explicit
 None), and unknown fields are accepted and ignored, because OpenAI clients send newer fields
-(`store`, `metadata`, `service_tier`, `parallel_tool_calls`, ...) that change nothing here.
+(`store`, `metadata`, `service_tier`, ...) that change nothing here.
 
 Accepted but ignored: `user`. `logit_bias` (token-id keys, values in [-100, 100]) is applied in
-the sampler. Rejected with 400 because we cannot honour them: non-empty `tools`, a `tool_choice`
-other than "none" (OpenAI allows one only with tools), `response_format` other than text,
-completions `suffix`, and `best_of` other than `n`.
+the sampler. `response_format` (json_object, json_schema) and vLLM's `structured_outputs` /
+`guided_*` constrain the output with a grammar (server/structured.py; one constraint per request).
+`tools`, `tool_choice` and `parallel_tool_calls` are served by server/tools.py (a forced choice is
+one more output constraint). Rejected with 400 because we cannot honour them: completions
+`suffix`, and `best_of` other than `n`.
 Ranges are checked once, by SamplingParams; `to_sampling_params` names the request's own param.
 """
 
@@ -21,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from tidal.sampling_params import SamplingParams
 from tidal.server.errors import bad_request, from_validation_error
+from tidal.server.structured import extra_specs, one_spec, response_format_spec
+from tidal.server.tools import ToolMode, check_tools, forced_spec, tool_mode
 
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -72,6 +76,13 @@ class _SamplingRequest(_Body):
     timeout_s: float | None = None
     queue_timeout_s: float | None = None
     session_id: str | None = None
+    # Constrained output: OpenAI's response_format; vLLM's structured_outputs and guided_*.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -140,7 +151,17 @@ class _SamplingRequest(_Body):
             "logit_bias": (
                 {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
             ),
+            "structured_outputs": one_spec(self._output_constraints()),
         }
+
+    def _output_constraints(self) -> list:
+        return response_format_spec(self.response_format) + extra_specs(
+            self.structured_outputs,
+            self.guided_json,
+            self.guided_regex,
+            self.guided_choice,
+            self.guided_grammar,
+        )
 
     def _build(self, kwargs: dict[str, Any], params: dict[str, str]) -> SamplingParams:
         """SamplingParams(**kwargs), its ValueError turned into a 400 naming the request's param."""
@@ -225,6 +246,7 @@ class ChatMessage(_Body):
     content: str | list[TextPart] | None = Field(default=None, validate_default=True)
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, rendered back
 
     @field_validator("role", mode="before")
     @classmethod
@@ -276,7 +298,7 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM extensions for the chat template.
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -296,27 +318,16 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @field_validator("tools")
     @classmethod
-    def _no_tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if v:
-            raise ValueError("tool calling is not supported")
-        return v
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_tools(v)
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        # Without tools only "none" means anything, and it is what happens anyway.
-        if v is not None and v != "none":
-            raise ValueError(
-                "is only allowed when tools are given, and tool calling is not supported"
-            )
-        return v
+    def tool_mode(self) -> ToolMode:
+        """none / auto / required / named (server/tools.py); a 400 naming tool_choice if bad."""
+        return tool_mode(self.tools, self.tool_choice, self.parallel_tool_calls)
 
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError(f"type {v.get('type')!r} is not supported: only 'text'")
-        return v
+    def _output_constraints(self) -> list:
+        forced = forced_spec(self.tool_mode())
+        return super()._output_constraints() + ([("tool_choice", forced)] if forced else [])
 
     def to_sampling_params(self) -> SamplingParams:
         kwargs = self._common_kwargs()

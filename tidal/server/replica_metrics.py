@@ -45,6 +45,7 @@ class ReplicaMetrics:
         self.step_duration = bind(m.step_duration)
         self.moe_expert_tokens = bind(m.moe_expert_tokens)
         self.moe_imbalance = bind(m.moe_imbalance)
+        self.grammar_mask = bind(m.grammar_mask)
         self.step_predicted = bind(m.step_predicted)
         self.model_load = bind(m.model_load)
         self.engine_restarts = bind(m.engine_restarts)
@@ -103,6 +104,8 @@ class ReplicaMetrics:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
             self.step_duration.observe(stats.step_time_s)
             self.step_predicted.observe(stats.predicted_step_s)
+        if stats.num_constrained_seqs:
+            self.grammar_mask.observe(stats.grammar_mask_s)
         if stats.moe_expert_tokens and any(stats.moe_expert_tokens):
             for n in stats.moe_expert_tokens:
                 self.moe_expert_tokens.observe(n)

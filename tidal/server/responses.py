@@ -124,6 +124,17 @@ class ChatChoiceLogprobs(BaseModel):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object as text
+
+
+class ChatToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
@@ -132,6 +143,7 @@ class ChatResponseMessage(BaseModel):
     # clients read, and under vLLM's newer one; both null when the model has no reasoning parser.
     reasoning_content: str | None = None
     reasoning: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
 
 
 class ChatCompletionChoice(BaseModel):
@@ -159,6 +171,9 @@ class DeltaMessage(BaseModel):
     # New think-block text (server.reasoning_parser), under both names as in ChatResponseMessage.
     reasoning_content: str | None = None
     reasoning: str | None = None
+    # [{"index", "id", "type", "function": {"name", "arguments"}}]: a call's first fragment
+    # carries id and name, later ones more of function.arguments (OpenAI's stream shape).
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_nulls(self, handler: Any) -> dict[str, Any]:

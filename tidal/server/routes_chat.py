@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -32,17 +33,25 @@ from tidal.server.responses import (
     ChatCompletionStreamChoice,
     ChatCompletionStreamResponse,
     ChatResponseMessage,
+    ChatToolCall,
     DeltaMessage,
+    FunctionCall,
     UsageInfo,
     random_id,
 )
 from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_event, sse_event
+from tidal.server.tool_parsers import ToolParser, parser_for
+from tidal.server.tools import ToolMode, ToolStream, read_calls
 
 
 async def create_chat_completion(request: Request) -> Response:
     state, req = await admit(request, partial(parse_request, ChatCompletionRequest))
     params = req.to_sampling_params()
-    inp = chat_input(req, state.tokenizer, state.limits)
+    mode = req.tool_mode()
+    parser = parser_for(state.config.server.tool_call_parser, state.tokenizer.family)
+    if mode.kind == "auto" and parser.start in _special_texts(state.tokenizer):
+        params.skip_special_tokens = False  # the call's markers are special tokens
+    inp = chat_input(req, state.tokenizer, state.limits, mode)
     check_logit_bias(params, state.limits)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(params, len(inp.token_ids), state.limits, param)
@@ -70,25 +79,28 @@ async def create_chat_completion(request: Request) -> Response:
             outs,
             server.sse_keepalive_s,
             lambda first: _stream(
-                job, first, outs, num_top, req.include_usage, continuous, reasoning
+                job, first, outs, num_top, req.include_usage, continuous, reasoning, mode, parser
             ),
         )
         return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     choices, _, usage = await until_disconnect(request, collect(job))
     tok = state.tokenizer
-    out_choices = [
-        ChatCompletionChoice(
-            index=idx,
-            message=ChatResponseMessage(content="".join(ch.text))
-            if reasoning is None
-            else reasoning.message("".join(ch.text)),
-            logprobs=None
-            if num_top is None
-            else chat_logprobs(ch.token_ids, ch.logprobs, num_top, tok),
-            finish_reason=ch.finish_reason,
+    out_choices = []
+    for idx, ch in sorted(choices.items()):
+        text = "".join(ch.text)
+        # The think block comes off first: a tool call is read from the answer only (R1 writes
+        # its calls after </think>).
+        split = None if reasoning is None else reasoning.split(text)
+        answer = text if split is None else split.content or ""
+        message, finish = _message(answer, ch.finish_reason, mode, parser)
+        if split is not None:
+            message.reasoning_content = message.reasoning = split.reasoning_content
+            if split.content is None and not message.tool_calls:
+                message.content = None
+        lp = None if num_top is None else chat_logprobs(ch.token_ids, ch.logprobs, num_top, tok)
+        out_choices.append(
+            ChatCompletionChoice(index=idx, message=message, logprobs=lp, finish_reason=finish)
         )
-        for idx, ch in sorted(choices.items())
-    ]
     usage_info = usage.usage()
     if reasoning is not None:
         usage_info.completion_tokens_details = reasoning.details(
@@ -100,6 +112,29 @@ async def create_chat_completion(request: Request) -> Response:
     return Response(body.model_dump_json(), media_type="application/json")
 
 
+@functools.cache
+def _special_texts(tokenizer) -> frozenset[str]:
+    # Once per tokenizer (the server holds one): Gemma's vocabulary has thousands of specials.
+    ids = getattr(tokenizer, "all_special_ids", ())
+    return frozenset(tokenizer.convert_ids_to_tokens(sorted(ids))) if ids else frozenset()
+
+
+def _message(
+    text: str, finish: str | None, mode: ToolMode, parser: ToolParser
+) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's message (content and tool calls) and its finish reason."""
+    if mode.kind == "none":
+        return ChatResponseMessage(content=text), finish
+    content, calls = read_calls(mode, parser, text) if finish != "length" else (text, [])
+    tool_calls = [
+        ChatToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+    if tool_calls and finish == "stop":
+        finish = "tool_calls"
+    return ChatResponseMessage(content=content, tool_calls=tool_calls or None), finish
+
+
 async def _stream(
     job: GenerationJob,
     first: tuple,
@@ -108,11 +143,14 @@ async def _stream(
     include_usage: bool,
     continuous_usage: bool,
     reasoning: ChatReasoning | None,
+    mode: ToolMode,
+    parser: ToolParser,
 ) -> AsyncIterator[bytes]:
     state = job.state
     tok = state.tokenizer
     head = {"id": job.request_id, "created": int(time.time()), "model": state.served_name}
     choices: dict[int, ChoiceState] = {}
+    tool_streams: dict[int, ToolStream] = {}
     usage = UsageCounter()
     splitters: dict[int, ReasoningSplitter] = {}  # per choice, with a reasoning parser
 
@@ -154,22 +192,38 @@ async def _stream(
                         )
                     )
                 ch.finish_reason = c.finish_reason
-                if reasoning is None:
-                    deltas = [DeltaMessage(content=c.text)] if c.text else []
-                else:
+                final = c.finish_reason is not None
+                text, calls, finish = c.text, None, c.finish_reason
+                deltas: list[DeltaMessage] = []
+                if reasoning is not None:  # the think block first; tool calls read the answer
                     splitter = splitters.setdefault(c.index, reasoning.splitter())
-                    deltas = reasoning.deltas(splitter, c.text, c.finish_reason is not None)
-                if not deltas and c.finish_reason is None and (num_top is None or not c.token_ids):
+                    split = ChatReasoning.feed(splitter, c.text, final)
+                    text = split.content
+                    if split.reasoning:
+                        deltas.append(
+                            DeltaMessage(
+                                reasoning_content=split.reasoning, reasoning=split.reasoning
+                            )
+                        )
+                if mode.kind != "none":
+                    ts = tool_streams.setdefault(c.index, ToolStream(mode, parser))
+                    text, tool_deltas = ts.feed(text, final=final)
+                    calls = [d.to_json() for d in tool_deltas] or None
+                    if ts.num_calls and finish == "stop":
+                        finish = "tool_calls"
+                if text or calls:
+                    deltas.append(DeltaMessage(content=text or None, tool_calls=calls))
+                if not deltas and finish is None and (num_top is None or not c.token_ids):
                     continue  # nothing to show yet (text held back at a stop string or a tag)
                 lp = None
                 if num_top is not None and c.token_ids:
                     lp = chat_logprobs(c.token_ids, c.logprobs or [], num_top, tok)
                 *before, last = deltas or [DeltaMessage()]
-                for delta in before:  # reasoning ahead of content in the same piece
+                for delta in before:  # reasoning ahead of the answer in the same piece
                     yield chunk(ChatCompletionStreamChoice(index=c.index, delta=delta))
                 yield chunk(
                     ChatCompletionStreamChoice(
-                        index=c.index, delta=last, logprobs=lp, finish_reason=c.finish_reason
+                        index=c.index, delta=last, logprobs=lp, finish_reason=finish
                     )
                 )
         if include_usage:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -12,7 +14,9 @@ from tidal.kv.layout import KVLayout
 from tidal.layers.moe import SparseMoE
 from tidal.layers.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from tidal.loader.model_loader import LoadedModel
+from tidal.request import Request
 from tidal.scheduler.output import SchedulerOutput
+from tidal.structured.matchers import GrammarMatchers, bitmask_words
 from tidal.worker.kv_cache import allocate_kv_caches
 
 
@@ -38,6 +42,11 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
     # MoE models: tokens routed to each expert this step, summed over the sparse layers.
     moe_expert_tokens: tuple[int, ...] = ()
+
+    # Constrained decoding this step: rows masked, and the seconds their masks took to compute
+    # (on the mask thread, overlapped with the forward).
+    num_constrained: int = 0
+    grammar_mask_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -73,10 +82,36 @@ class ModelRunner:
         self.sampler = Sampler(loaded.arch.vocab_size, self.device)
         self._generators: dict[str, torch.Generator] = {}
         self._moe_layers = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
+        # Set by the engine (it has the tokenizer); None serves no constrained request.
+        self.grammars: GrammarMatchers | None = None
+        self._mask_pool: ThreadPoolExecutor | None = None
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
         self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
+
+    def _start_masks(self, constrained: list[Request]) -> Future[tuple[torch.Tensor, float]]:
+        """Compute the constrained rows' bitmasks on the mask thread while the forward runs
+        (llguidance releases the GIL); the future gives the (C, words) masks and their time."""
+        grammars = self.grammars
+        if grammars is None:
+            raise ValueError("structured_outputs is not available: the engine has no grammar state")
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="tidal-grammar")
+        words = bitmask_words(self.arch.vocab_size)
+
+        def fill() -> tuple[torch.Tensor, float]:
+            start = time.perf_counter()
+            masks = torch.empty((len(constrained), words), dtype=torch.int32)
+            for i, req in enumerate(constrained):
+                spec = req.sampling_params.structured_outputs
+                assert spec is not None  # only constrained requests are passed in
+                grammars.fill(req.request_id, spec, req.output_token_ids, masks[i])
+            return masks, time.perf_counter() - start
+
+        return self._mask_pool.submit(fill)
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -147,6 +182,12 @@ class ModelRunner:
                     )
                 )
                 row_ids.append(req.request_id)
+        constrained = [
+            sr.request
+            for sr in sched.scheduled
+            if sr.sample and sr.request.sampling_params.structured_outputs is not None
+        ]
+        masks_future = self._start_masks(constrained) if constrained else None
         inputs = StepInputs(
             torch.tensor(ids, dtype=torch.long),
             torch.tensor(positions, dtype=torch.long),
@@ -158,10 +199,20 @@ class ModelRunner:
         )
         if on_inputs is not None:
             on_inputs(inputs)
-        logits = self.forward(inputs)
+        try:
+            logits = self.forward(inputs)
+        finally:
+            masks = None if masks_future is None else masks_future.result()
         if self._moe_layers:
             counts = [m.last_expert_tokens for m in self._moe_layers]
             out.moe_expert_tokens = tuple(torch.stack(counts).sum(dim=0).tolist())
+        if masks is not None:
+            bitmasks, out.grammar_mask_s = masks
+            out.num_constrained = len(constrained)
+            which = {req.request_id: i for i, req in enumerate(constrained)}
+            for row, rid in zip(rows, row_ids, strict=True):
+                if rid in which:
+                    row.grammar_bitmask = bitmasks[which[rid]]
         if rows:
             assert logits.sample is not None
             result = self.sampler(logits.sample, rows)

@@ -1,0 +1,1 @@
+"""Constrained decoding: grammars from structured-output specs, and the per-request matchers."""
