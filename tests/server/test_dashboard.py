@@ -87,6 +87,7 @@ def exported_families() -> dict[str, Family]:
     metrics.rejected.labels(reason="queue_full").inc()  # what app.py does for a 429
     metrics.requests_failed.labels(reason="engine_died").inc()  # what cli_serve.py wires up
     metrics.replica(0).routed("load")  # what the data-parallel router reports
+    metrics.constrained_requests.labels(kind="json").inc()  # what GenerationJob does for one
     text = metrics.render().decode()
     out: dict[str, Family] = {}
     for fam in text_string_to_metric_families(text):
