@@ -285,5 +285,5 @@ def test_tidal_side_runs_on_a_tiny_model(tmp_path: Path) -> None:
     assert settings["threads"] == 1 and settings["num_layers"] == 4
     assert settings["config"]["cache"]["block_size"] == 8
     assert steps is not None and steps.steps == 3 and steps.num_layers == 4
-    # aten_s is a difference of two timed runs, 0 where it is below their noise (see profile_decode)
+    # native_s and aten_s are differences of two timed runs, 0 below their noise (profile_decode)
     assert steps.native_s >= 0 and steps.aten_s >= 0 and steps.wall_s > 0

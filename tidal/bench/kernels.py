@@ -248,10 +248,10 @@ def profile_decode(llm, prompts: _Prompts, cfg: KernelsConfig, num_layers: int) 
     steps = cfg.profile_steps
     wall_1, native_1, aten_1 = _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], 1)
     wall_n, native_n, aten_n = _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], 1 + steps)
-    by_name = {k: (native_n.get(k, 0.0) - native_1.get(k, 0.0)) / steps for k in native_n}
+    by_name = {k: max(0.0, (native_n.get(k, 0.0) - native_1.get(k, 0.0)) / steps) for k in native_n}
     ranked = tuple(sorted(by_name.items(), key=lambda kv: -kv[1]))
-    # A difference of two timed runs: where a step's aten share is below the runs' noise (a tiny
-    # model whose decode is all native kernels) it can come out negative; that reads as 0.
+    # Differences of two timed runs: where a step's share of a region or of aten is below the
+    # runs' noise (a tiny model's microsecond kernels) it can come out negative; that reads as 0.
     aten_s = max(0.0, (aten_n - aten_1) / steps)
     return StepProfile(steps, num_layers, (wall_n - wall_1) / steps, sum(by_name.values()),
                        aten_s, ranked)  # fmt: skip
