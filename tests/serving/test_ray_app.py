@@ -20,9 +20,8 @@ from tidal.config.loader import load_config
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-# Ray's start-up and two engine replicas take about a minute on a busy 2-core machine:
-# `pytest -m slow tests/serving` runs it.
-pytestmark = pytest.mark.slow
+# Ray's start-up and two engine replicas take about a minute on an idle 2-core machine; the
+# issue's acceptance asks CI to run it, so it is not marked slow.
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 180.0  # a hang becomes a failure; nothing asserts how long anything took
