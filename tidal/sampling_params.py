@@ -151,6 +151,20 @@ class SamplingParams:
             self.structured_outputs,
             "a StructuredOutputs or None",
         )
+        # A constrained output ends where its grammar accepts (EOS is only allowed there), so a
+        # request cannot also ask to run past EOS or to hold it back for a minimum length.
+        _check(
+            self.structured_outputs is None or not self.ignore_eos,
+            "ignore_eos",
+            self.ignore_eos,
+            "false with a structured output constraint (the output ends where the grammar does)",
+        )
+        _check(
+            self.structured_outputs is None or self.min_tokens == 0,
+            "min_tokens",
+            self.min_tokens,
+            "0 with a structured output constraint (the output ends where the grammar does)",
+        )
 
     @property
     def greedy(self) -> bool:

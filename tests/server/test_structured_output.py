@@ -124,6 +124,28 @@ def test_protocol_builds_one_spec_per_request() -> None:
         parse_request(CompletionRequest, {"prompt": "x", "guided_json": "{"}).to_sampling_params()
 
 
+
+@pytest.mark.parametrize(
+    ("extra", "param"), [({"ignore_eos": True}, "ignore_eos"), ({"min_tokens": 3}, "min_tokens")]
+)
+def test_constraints_refuse_what_would_override_the_grammars_end(extra, param) -> None:
+    """A constrained output ends where its grammar accepts; ignore_eos or min_tokens would be
+    silently overruled, so they are a 400 naming the field (a forced tool call too)."""
+    bodies = [
+        (CompletionRequest, {"prompt": "x", "guided_regex": "[ab]+"}),
+        (ChatCompletionRequest, {"messages": USER, "response_format": {"type": "json_object"}}),
+        (ChatCompletionRequest, {"messages": USER, "tools": TOOLS, "tool_choice": "required"}),
+    ]
+    for cls, body in bodies:
+        with pytest.raises(APIError) as e:
+            parse_request(cls, {**body, **extra}).to_sampling_params()
+        assert e.value.status == 400 and e.value.param == param
+        assert "structured output constraint" in str(e.value)
+        # Unconstrained, the same setting is honoured as before.
+        plain = {k: v for k, v in body.items() if k in ("prompt", "messages")}
+        assert parse_request(cls, {**plain, **extra}).to_sampling_params().structured_outputs is None
+
+
 WEATHER = {
     "type": "object",
     "properties": {
