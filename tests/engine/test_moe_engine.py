@@ -149,37 +149,26 @@ def test_greedy_matches_transformers_alone_and_batched(model_dir, reference, nam
     assert_pool_clean(llm.engine.kv)
 
 
-def test_int8_latent_cache_runs(model_dir, reference):
-    """8-bit pages hold the latent with one scale per token: (rank + rope + 4) bytes per layer."""
+@pytest.mark.parametrize(
+    ("kv_dtype", "value_bytes", "scale_bytes"), [("int8", 1, 4), ("bfloat16", 2, 0)]
+)
+def test_latent_cache_in_fewer_bits_runs(model_dir, reference, kv_dtype, value_bytes, scale_bytes):
+    """8-bit pages hold the latent with one float32 scale per token, (rank + rope + 4) bytes per
+    layer; bfloat16 pages under float32 compute 2 bytes a value, read back widened."""
     prompts, expected = reference
     llm = LLM(
-        str(model_dir), kv_cache_bytes=1 << 20, block_size=8, kv_cache_dtype="int8",
+        str(model_dir), kv_cache_bytes=1 << 20, block_size=8, kv_cache_dtype=kv_dtype,
         quantization_gate=False,
     )  # fmt: skip
     arch, layout = llm.engine.loaded.arch, llm.engine.layout
     latent = arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim
-    assert layout.bytes_per_token == (latent + 4) * arch.num_layers
+    assert layout.bytes_per_token == (latent * value_bytes + scale_bytes) * arch.num_layers
     outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=PARAMS)
     for out in outs:
         assert len(out.outputs[0].token_ids) == MAX_TOKENS
-    # The first token comes from the prompt's last position, where 8-bit rounding of a random
+    # The first token comes from the prompt's last position, where the rounding of a random
     # tiny model's latents is far below the gap between its top two logits.
     assert [o.outputs[0].token_ids[0] for o in outs] == [e[0] for e in expected[:2]]
-
-
-def test_bfloat16_latent_cache_runs(model_dir, reference):
-    """16-bit latent pages under float32 compute: 2 bytes a value, read back widened."""
-    prompts, expected = reference
-    llm = LLM(
-        str(model_dir), kv_cache_bytes=1 << 20, block_size=8, kv_cache_dtype="bfloat16",
-        quantization_gate=False,
-    )  # fmt: skip
-    arch, layout = llm.engine.loaded.arch, llm.engine.layout
-    latent = arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim
-    assert layout.bytes_per_token == latent * 2 * arch.num_layers
-    outs = llm.generate(prompt_token_ids=prompts[:2], sampling_params=PARAMS)
-    assert [o.outputs[0].token_ids[0] for o in outs] == [e[0] for e in expected[:2]]
-    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
 
 
 def test_moe_output_does_not_depend_on_the_batch(model_dir):
