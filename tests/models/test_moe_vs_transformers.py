@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.models.paged import PagedBatch, paged_prefill, paged_prefill_and_greedy
-from tests.models.tiny_hf import MOE_FAMILIES, make_tiny_model
+from tests.models.tiny_hf import MOE_FAMILIES, hf_references, make_tiny_model
 from tidal.layers.mla_attention import MLAttention
 from tidal.layers.moe import SparseMoE
 from tidal.loader.model_loader import load_model
@@ -25,19 +25,7 @@ MAX_NEW = 20
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = make_tiny_model(request.param, path)
-    refs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            logits = hf(torch.tensor([prompt])).logits[0].float()
-            gen = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=MAX_NEW,
-                do_sample=False,
-                min_new_tokens=MAX_NEW,
-                pad_token_id=0,
-                eos_token_id=None,
-            )[0, len(prompt) :].tolist()
-            refs.append((logits, gen))
+    refs = hf_references(hf, PROMPTS, MAX_NEW)
     return request.param, hf, load_model(path, torch.float32), refs
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.models.paged import paged_prefill_and_greedy
-from tests.models.tiny_hf import make_tiny_model
+from tests.models.tiny_hf import hf_references, make_tiny_model
 from tidal.loader.model_loader import load_model
 
 FAMILIES = ["gemma3", "llama", "qwen2", "qwen3", "mistral"]
@@ -22,19 +22,7 @@ PROMPTS = [
 def tiny(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = make_tiny_model(request.param, path)
-    refs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            logits = hf(torch.tensor([prompt])).logits[0].float()
-            gen = hf.generate(
-                torch.tensor([prompt]),
-                max_new_tokens=20,
-                do_sample=False,
-                min_new_tokens=20,
-                pad_token_id=0,
-                eos_token_id=None,
-            )[0, len(prompt) :].tolist()
-            refs.append((logits, gen))
+    refs = hf_references(hf, PROMPTS, 20)
     return request.param, hf, load_model(path, torch.float32), refs
 
 

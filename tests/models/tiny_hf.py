@@ -128,3 +128,24 @@ def make_tiny_model(family: str, out_dir: Path, seed: int = 0, vocab_size: int =
                 b.normal_(0, 0.1)
     model.save_pretrained(out_dir, safe_serialization=True)
     return model
+
+
+def hf_references(
+    hf, prompts: list[list[int]], max_new: int
+) -> list[tuple[torch.Tensor, list[int]]]:
+    """Per prompt, transformers' float32 logits over it and its `max_new` greedy tokens (EOS
+    ignored): the reference a tidal model run through the paged cache must reproduce."""
+    refs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            logits = hf(torch.tensor([prompt])).logits[0].float()
+            gen = hf.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_new,
+                do_sample=False,
+                min_new_tokens=max_new,
+                pad_token_id=0,
+                eos_token_id=None,
+            )[0, len(prompt) :].tolist()
+            refs.append((logits, gen))
+    return refs
