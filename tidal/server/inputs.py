@@ -106,12 +106,27 @@ def _render(
             f"Invalid value for 'messages': {e}", "messages", "invalid_value"
         ) from None
     if cont and messages and messages[-1]["role"] == "assistant":
-        # Continue the last assistant message: cut the template's end-of-turn after its content.
-        last = messages[-1]["content"]
-        end = text.rfind(last)
-        if end >= 0:
-            text = text[: end + len(last)]
+        text = _cut_after_final_message(text, str(messages[-1].get("content") or ""))
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _cut_after_final_message(text: str, last: str) -> str:
+    """Continue the last assistant message: cut the template's end-of-turn after its content.
+
+    Templates may trim the content (Gemma's `| trim`), so its stripped form is looked for next;
+    one that drops or rewrites it (R1 removes everything up to `</think>`) cannot be continued,
+    and the request is refused instead of being sent with the end-of-turn still in place."""
+    for needle in (last, last.strip()):
+        end = text.rfind(needle) if needle else -1
+        if end >= 0:
+            return text[: end + len(needle)]
+    raise bad_request(
+        "Invalid value for 'continue_final_message': the chat template does not write the final "
+        "assistant message's content as given (it drops or rewrites it), so it cannot be "
+        "continued; send the text as a completions prompt instead",
+        "continue_final_message",
+        "invalid_value",
+    )
 
 
 def chat_input(
