@@ -84,6 +84,9 @@ def _message_dict(m: ChatMessage) -> dict:
     for key in ("tool_call_id", "name"):
         if getattr(m, key) is not None:
             out[key] = getattr(m, key)
+    reasoning = m.reasoning_content if m.reasoning_content is not None else m.reasoning
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
     return out
 
 

@@ -247,6 +247,10 @@ class ChatMessage(_Body):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, rendered back
+    # An assistant turn's reasoning as a reply gave it (`reasoning` is vLLM's newer name); the
+    # template gets it as `reasoning_content` (Qwen3's replays the latest turn's).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @field_validator("role", mode="before")
     @classmethod
@@ -271,6 +275,13 @@ class ChatMessage(_Body):
                     )
         elif not isinstance(v, str):
             raise ValueError("must be a string or a list of text parts")
+        return v
+
+    @field_validator("reasoning_content", "reasoning")
+    @classmethod
+    def _reasoning(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v is not None and info.data.get("role") != "assistant":
+            raise ValueError("only assistant messages carry reasoning")
         return v
 
     def text(self) -> str:

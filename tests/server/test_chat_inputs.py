@@ -1,13 +1,16 @@
-"""continue_final_message: the prompt ends inside the last assistant message, or the request is
-refused; it never goes out with the template's end-of-turn still after the message."""
+"""How chat messages become the template's input: continue_final_message ends the prompt inside
+the last assistant message (or is refused, never sent with the end-of-turn after it), and an
+assistant turn's reasoning reaches templates that replay it."""
 
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from tidal.loader.chat_template import builtin_chat_template, render_chat_template
 from tidal.server.errors import APIError
-from tidal.server.inputs import _cut_after_final_message
+from tidal.server.inputs import _cut_after_final_message, _message_dict
+from tidal.server.protocol import ChatCompletionRequest
 
 
 def _rendered(family: str, messages: list[dict]) -> str:
@@ -49,3 +52,36 @@ def test_a_template_that_rewrites_the_message_is_refused_with_the_field() -> Non
     with pytest.raises(APIError) as info:
         _cut_after_final_message(text, messages[-1]["content"])
     assert info.value.status == 400 and info.value.param == "continue_final_message"
+
+
+# Qwen3's way of replaying the reasoning of an assistant turn (its template, reduced).
+_REPLAYS_REASONING = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and m.reasoning_content is string %}"
+    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n"
+    "{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_an_assistant_turns_reasoning_reaches_the_template(field: str) -> None:
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", field: "two and two make four"},
+            ],
+        }
+    )
+    messages = [_message_dict(m) for m in req.messages]
+    assert messages[1]["reasoning_content"] == "two and two make four"
+    text = render_chat_template(_REPLAYS_REASONING, messages, add_generation_prompt=False)
+    assert "<|im_start|>assistant\n<think>\ntwo and two make four\n</think>\n\n4" in text
+
+
+def test_reasoning_on_a_user_message_is_refused() -> None:
+    with pytest.raises(ValidationError, match="only assistant messages carry reasoning"):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "hi", "reasoning": "x"}]}
+        )
