@@ -83,7 +83,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rope: RopeConfig) -> None:
         super().__init__()
         self.head_dim, self.rope = head_dim, rope
-        self.register_buffer("inv_freq", inv_frequencies(head_dim, rope), persistent=False)
+        # NOTE: computed on the CPU even while the model is built on meta: a few dozen values, and
+        # the first meta op would import torch._dynamo (1-2 s of every start-up) through torch's
+        # Python reference kernels.
+        with torch.device("cpu"):
+            self.register_buffer("inv_freq", inv_frequencies(head_dim, rope), persistent=False)
         self.scale = attention_factor(rope)
 
     def forward(

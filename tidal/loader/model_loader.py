@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +86,34 @@ def kv_group_of_layers(arch: ArchConfig) -> list[int]:
     return [layout.layer_slot(i)[0] for i in range(arch.num_layers)]
 
 
+@contextlib.contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """Modules built on meta skip their random initialisation: the checkpoint replaces it anyway.
+
+    NOTE: an init on a meta tensor costs nothing itself, but the first one (nn.Embedding's
+    normal_) runs through a torch function wrapped to disable dynamo, whose first call imports
+    torch._dynamo: 1-3 s of every start-up for nothing else. transformers' no_init_weights does
+    the same swap."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INIT_FUNCTIONS}
+    for name in _INIT_FUNCTIONS:
+        setattr(torch.nn.init, name, _keep)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+_INIT_FUNCTIONS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+    "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+)  # fmt: skip
+
+
+def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return tensor
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -118,7 +148,7 @@ def load_model(
     arch, gguf_arch, freq_factors = _read_header(p)
     shard = None if tensor_parallel is None else ShardPlan(arch, *tensor_parallel)
     local = arch if shard is None else shard.local_arch()
-    with torch.device("meta"):
+    with torch.device("meta"), _no_weight_init():
         model = model_class(local)(local, kv_group_of_layers(local))
         if shard is not None:
             _shard_vocabulary(model, shard)
