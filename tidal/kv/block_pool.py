@@ -37,7 +37,7 @@ class BlockPool:
     """All block ids of the pool (id 0 is the null block and never handed out).
 
     Free blocks live in one of three queues, each in release order (front = least recently used):
-      - `_uncached`: no hash, handed out first;
+      - `_uncached`: no hash, handed out first, most recently released first (a stack);
       - `_cached_anon`: hashed, released by a request without session;
       - `_cached_session`: hashed, last released by a session request.
     Eviction order when `_uncached` runs dry (one tier after the other, LRU inside each):
@@ -46,6 +46,12 @@ class BlockPool:
       3. session blocks of the last N turns: memory pressure forced out a block that the
          retention policy promised to keep                           (reason "pressure")
     where N = session_turns and a block's turn is the turn of the request that last released it.
+
+    NOTE: `_uncached` is a stack (LIFO), block 1 on top at start: the pages of a block that was
+    just released are still resident, while a never-used block's pages are not (the KV tensors
+    are lazily backed on the CPU, see tidal.attention.page_memory), so handing out the most
+    recent one first keeps the resident memory at the peak number of blocks in use rather than
+    letting it creep up to the whole pool. Which block a request gets never changes its output.
     """
 
     def __init__(self, num_blocks: int, clock: Callable[[], float], session_turns: int) -> None:
@@ -57,7 +63,8 @@ class BlockPool:
         self._clock = clock
         self._session_turns = session_turns
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._uncached: deque[int] = deque(range(1, num_blocks))
+        # The top of the stack is the right end: block 1 first, then 2, 3, ...
+        self._uncached: deque[int] = deque(range(num_blocks - 1, 0, -1))
         self._cached_anon: OrderedDict[int, None] = OrderedDict()
         self._cached_session: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[HashKey, int] = {}
@@ -89,12 +96,13 @@ class BlockPool:
             block.last_used_s = now
 
     def take(self, n: int) -> list[int]:
-        """Hand out n blocks with ref_cnt 1: never-used ones first, then evicted cached ones."""
+        """Hand out n blocks with ref_cnt 1: unhashed ones first (the most recently released
+        first), then evicted cached ones (least recently used first)."""
         if n > self.num_free:
             raise RuntimeError(
                 f"asked for {n} blocks with only {self.num_free} free; check num_free first"
             )
-        ids = [self._uncached.popleft() for _ in range(min(n, len(self._uncached)))]
+        ids = [self._uncached.pop() for _ in range(min(n, len(self._uncached)))]
         if len(ids) < n:
             ids.extend(self._evict(n - len(ids)))
         now = self._clock()
@@ -107,7 +115,8 @@ class BlockPool:
     def release(
         self, block_ids: Iterable[int], session_id: str | None = None, turn: int = 0
     ) -> None:
-        """Drop one reference each; idle blocks join the tail (most recent end) of a free queue."""
+        """Drop one reference each; idle blocks join the most recent end of a free queue (the
+        top of the `_uncached` stack, the tail of a cached LRU queue)."""
         now = self._clock()
         for block_id in block_ids:
             block = self.blocks[block_id]
