@@ -92,16 +92,52 @@ def test_prefix_blocks_within_ttl_are_kept(tiny_model_dir):
 
 
 def test_kv_pool_sized_in_tokens(tiny_llama_dir):
-    """kv_cache_tokens=N gives exactly the pages N tokens need, and a prompt of N - 1 tokens
-    (one is left for the generated token) runs without preemption or eviction."""
-    engine = make_engine(tiny_llama_dir, kv_cache_bytes=None, kv_cache_tokens=40, max_model_len=64)
+    """kv_cache_tokens=N gives the pages N tokens need over max_num_seqs sequences (a partial
+    last page each), and a prompt of N - 1 tokens (one is left for the generated token) runs
+    without preemption or eviction."""
+    engine = make_engine(
+        tiny_llama_dir, kv_cache_bytes=None, kv_cache_tokens=40, max_model_len=64, max_num_seqs=4
+    )
     groups = len(engine.layout.groups)
-    assert engine.num_blocks == 1 + groups * -(-40 // engine.layout.block_size)
+    assert engine.num_blocks == 1 + groups * (4 + (40 - 4) // engine.layout.block_size)
     out = _run_one(
         engine, "a", [1] + list(range(10, 48)), SamplingParams(temperature=0, max_tokens=1)
     )
     assert len(out.outputs[0].token_ids) == 1
     assert engine.kv.evictions_by_reason["pressure"] == 0
+    assert_pool_clean(engine.kv)
+
+
+def test_kv_pool_in_tokens_holds_them_with_sliding_groups_at_their_window(tiny_model_dir):
+    """The tiny Gemma 3 (1 full + 3 sliding groups, window 5): its sliding groups get the
+    pages their windows and one step's chunks can hold, fewer than N tokens' worth, and
+    max_num_seqs requests whose KV sums to N tokens still all run at once, none preempted,
+    each with the tokens it gives alone."""
+    shapes = [(30, 12), (30, 12), (30, 12), (26, 12)]  # KV tokens: 41 + 41 + 41 + 37 = 160
+    n = sum(p + m - 1 for p, m in shapes)
+    kw = dict(kv_cache_bytes=None, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16)
+    engine = make_engine(tiny_model_dir, kv_cache_tokens=n, **kw)
+    layout = engine.layout
+    windows = [g.sliding_window for g in layout.groups]
+    assert windows.count(None) == 1 and windows.count(5) == 3
+    full_pages = 4 + (n - 4) // layout.block_size
+    assert engine.num_blocks < 1 + len(windows) * full_pages
+    rng = np.random.default_rng(0)
+    prompts = [[1] + rng.integers(3, 200, p - 1).tolist() for p, _ in shapes]
+    for i, (prompt, (_, m)) in enumerate(zip(prompts, shapes, strict=True)):
+        assert engine.add_request(
+            f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+        )
+    together = run_to_completion(engine)
+    assert engine.scheduler.num_preemptions_total == 0
+    assert engine.kv.evictions_by_reason["pressure"] == 0
+    for i, (prompt, (_, m)) in enumerate(zip(prompts, shapes, strict=True)):
+        alone = make_engine(tiny_model_dir, kv_cache_tokens=n, **kw)
+        out = _run_one(
+            alone, "a", prompt, SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
+        )
+        assert together[f"r{i}"].outputs[0].token_ids == out.outputs[0].token_ids
+        assert len(out.outputs[0].token_ids) == m
     assert_pool_clean(engine.kv)
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 
 from tidal.config.cache import CacheConfig
-from tidal.kv.block_pool import num_blocks_for_budget, num_blocks_for_tokens
+from tidal.kv.block_pool import (
+    num_blocks_for_budget,
+    num_blocks_for_tokens,
+    sliding_window_blocks,
+)
 from tidal.kv.layout import KVLayout
 
 GIB = 1 << 30
@@ -76,15 +80,38 @@ def test_unknown_kv_dtype_is_refused() -> None:
 
 
 def test_blocks_for_a_token_count_cover_every_group() -> None:
-    # Gemma 3 270M: 6 groups (1 full, 5 sliding). 4096 tokens = 256 pages in each group + null.
+    # Gemma 3 270M: 6 groups (1 full, 5 sliding, window 512). One sequence of 4096 tokens: 256
+    # pages in the full group; a sliding group holds at most its window's 33 pages plus one
+    # step's chunk of 1024 tokens (64 more), so 97, not 256.
     layout = gemma_layout(4)
     assert len(layout.groups) == 6
-    assert num_blocks_for_tokens(layout, 4096) == 1 + 6 * 256
-    assert num_blocks_for_tokens(layout, 4097) == 1 + 6 * 257  # a partial page is a page
-    # In bytes that is the full 18-layer K/V of 4096 float32 tokens (llama.cpp's --swa-full).
-    assert (num_blocks_for_tokens(layout, 4096) - 1) * layout.page_bytes == 2 * 18 * 4096 * 256 * 4
-    with pytest.raises(ValueError, match="tokens=0 is invalid"):
-        num_blocks_for_tokens(layout, 0)
+    assert sliding_window_blocks(512, 16, 1, 1024) == 33 + 64
+    assert num_blocks_for_tokens(layout, 4096, 1, 1024) == 1 + 256 + 5 * 97
+    assert num_blocks_for_tokens(layout, 4097, 1, 1024) == 1 + 257 + 5 * 97  # a partial page
+    # A short pool: a sliding group never needs more pages than the full group.
+    assert num_blocks_for_tokens(layout, 160, 1, 1024) == 1 + 6 * 10
+    for bad, match in (
+        ((0, 1, 1024), "tokens=0 is invalid"),
+        ((16, 0, 1024), "max_num_seqs=0 is invalid"),
+        ((16, 1, 0), "max_step_tokens=0 is invalid"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            num_blocks_for_tokens(layout, *bad)
+
+
+def test_token_pool_for_llama_server_slots_sizes_sliding_groups_by_their_window() -> None:
+    """llama-server -c 49152 -np 12 (12 slots of 4096) against --kv-cache-tokens 49152 with 12
+    sequences: 12 partial last pages in the full group, and per sliding group 12 windows of 33
+    pages plus what a 1024-token step adds (12 chunks of 3 tokens each start a page, the other
+    988 tokens fill 61 more): 469 pages, not 3072. The pool is 29% of N tokens in every layer."""
+    layout = gemma_layout(4)
+    full = 12 + (49152 - 12) // 16
+    assert full == 3083
+    assert sliding_window_blocks(512, 16, 12, 1024) == 12 * 33 + 12 + (1024 - 12 * 3) // 16 == 469
+    num_blocks = num_blocks_for_tokens(layout, 49152, 12, 1024)
+    assert num_blocks == 1 + full + 5 * 469 == 5429
+    every_layer = 1 + 6 * 49152 // 16
+    assert (num_blocks - 1) / (every_layer - 1) == pytest.approx(0.2945, abs=1e-4)
 
 
 def test_kv_cache_tokens_and_bytes_are_exclusive() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from tests.kv.pool_check import FakeClock, assert_pool_clean, make_request, step
 from tidal.config.cache import CacheConfig
-from tidal.kv.block_pool import num_blocks_for_budget
+from tidal.kv.block_pool import BlockPool, num_blocks_for_budget
 from tidal.kv.layout import KVLayout
 from tidal.kv.manager import KVCacheManager
 
@@ -36,10 +36,12 @@ def test_exact_ids_reuse_and_lru_eviction() -> None:
     assert step(kv, b, 9) == [[4, 5]]
     assert kv.num_free_blocks == 2
     assert kv.usage == pytest.approx(5 / 7)
-    kv.free(a)  # 3 is partial (uncached, back of the never-used queue); 2 then 1 become cached
+    kv.free(a)  # 3 is partial (uncached, top of the unhashed stack); 2 then 1 become cached
     assert kv.num_free_blocks == 5
     c = make_request("c", list(range(200, 230)))
-    assert step(kv, c, 30) == [[6, 7, 3, 2]]  # never-used blocks first, then the LRU cached one
+    # Unhashed blocks first, the most recently released on top (3, whose pages are resident,
+    # before the never-used 6 and 7), then the LRU cached one.
+    assert step(kv, c, 30) == [[3, 6, 7, 2]]
     assert kv.evictions_by_reason == {"lru": 1, "ttl": 0, "pressure": 0}
     again = make_request("a2", list(range(20)))
     assert kv.get_computed_blocks(again) == 8  # block 1 survived, block 2 was evicted
@@ -271,3 +273,19 @@ def test_validation_and_sizing() -> None:
         num_blocks_for_budget(full_layout(), 255)
     kv.free(a)
     assert_pool_clean(kv)
+
+
+def test_unhashed_blocks_are_reused_most_recent_first() -> None:
+    """The unhashed free blocks are a stack: a released block (its pages resident) goes out
+    again before a never-used one, so a steady load touches only the blocks it needs at once."""
+    pool = BlockPool(8, FakeClock(), session_turns=0)
+    assert pool.take(3) == [1, 2, 3]  # never-used ones in id order
+    pool.release([2])
+    pool.release([1])
+    assert pool.take(3) == [1, 2, 4]
+    seen: set[int] = set()
+    for _ in range(20):
+        ids = pool.take(2)
+        seen.update(ids)
+        pool.release(ids)
+    assert seen == {5, 6}

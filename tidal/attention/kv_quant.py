@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.attention.page_memory import zeroed_pages
+
 # Largest magnitude each format holds: int8 is symmetric in [-127, 127] (-128 unused so that
 # negation is exact); float8 e4m3fn's largest finite value is 448.
 _QMAX = {"int8": 127.0, "fp8": 448.0}
@@ -72,11 +74,15 @@ def allocate_quantized_pool(
     device: torch.device | str,
     parts: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed (data, scale) pools shaped (layers_per_group, parts, num_blocks, block_size, KVH[, D])."""
+    """Zeroed (data, scale) pools shaped (layers_per_group, parts, num_blocks, block_size, KVH[, D]).
+
+    NOTE: the scales are zero too, so that neither tensor is written at start-up (both are
+    lazily backed on the CPU, see attention/page_memory.py). A never-written slot (the null
+    block, the tail of a partial page) then dequantizes to code 0 * scale 0 = 0.0, as it did
+    with scale 1; nothing divides by a stored scale (quantize_kv divides by the new one)."""
     if kv_dtype not in _STORAGE:
         raise ValueError(f"kv_cache_dtype={kv_dtype!r} is invalid: expected int8 or fp8")
     shape = (layers_per_group, parts, num_blocks, block_size, num_kv_heads)
-    data = torch.zeros((*shape, head_dim), dtype=_STORAGE[kv_dtype], device=device)
-    # Scale 1 keeps never-written slots (the null block) finite and equal to 0 after dequantizing.
-    scale = torch.ones(shape, dtype=torch.float32, device=device)
+    data = zeroed_pages((*shape, head_dim), _STORAGE[kv_dtype], device)
+    scale = zeroed_pages(shape, torch.float32, device)
     return data, scale

@@ -21,14 +21,19 @@ class CacheConfig:
     block_size: int = 16
     # KV pool size in bytes; None sizes it from `kv_cache_tokens` or `memory_fraction`.
     kv_cache_bytes: int | None = None
-    # KV pool size in tokens (llama.cpp's -c, with --swa-full): enough pages for this many tokens
-    # in every layer. Sliding-window layers free pages that fall out of their window, so the pool
-    # then holds more tokens than this in practice. Cannot be set together with kv_cache_bytes.
+    # KV pool size in tokens (llama.cpp's -c, without --swa-full): enough pages that this many
+    # tokens, over up to max_num_seqs sequences, always fit. Full-attention layers get a page for
+    # every token; sliding-window layers only what their windows and one step's chunks can hold
+    # at once (tidal.kv.block_pool.sliding_window_blocks), when that is less. Cannot be set
+    # together with kv_cache_bytes.
     kv_cache_tokens: int | None = None
     # Without kv_cache_bytes: on GPU the fraction of free device memory (vLLM's
     # gpu_memory_utilization); on CPU the fraction of available RAM, capped by `max_cpu_kv_bytes`.
     memory_fraction: float = 0.9
-    # 1 GiB holds ~175k tokens of Gemma 3 270M (98 KiB per 16-token page) and zero-fills in <1 s.
+    # 1 GiB is 10,922 pages of Gemma 3 270M (96 KiB per 16-token page, float32). Pages are
+    # shared by its 6 layer groups as needed: one long sequence always fits ~167k tokens, 32 at
+    # once ~82k (the sliding groups hold their windows). On the CPU a page that no token
+    # reaches costs no resident memory.
     max_cpu_kv_bytes: int = 1 << 30
     # Reuse full blocks across requests by content hash.
     enable_prefix_caching: bool = True

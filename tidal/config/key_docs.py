@@ -107,7 +107,8 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "KV pool size, e.g. 2GiB; null: sized from memory_fraction", "--kv-cache-bytes", "1GiB"
     ),
     "memory.kv_cache_tokens": KeyDoc(
-        "KV pool size in tokens held in every layer (llama.cpp's -c with --swa-full); "
+        "KV pool size in tokens that always fit over max_num_seqs sequences (llama.cpp's -c "
+        "without --swa-full: sliding-window layers get the pages their windows can hold); "
         "null: sized by kv_cache_bytes or memory_fraction",
         "--kv-cache-tokens",
     ),

@@ -79,7 +79,12 @@ class EngineCore:
             kv_dtype=config.cache.kv_cache_dtype,
         )
         if config.cache.kv_cache_tokens is not None:
-            self.num_blocks = num_blocks_for_tokens(self.layout, config.cache.kv_cache_tokens)
+            self.num_blocks = num_blocks_for_tokens(
+                self.layout,
+                config.cache.kv_cache_tokens,
+                config.scheduler.max_num_seqs,
+                self._max_step_tokens(),
+            )
         else:
             self.num_blocks = num_blocks_for_budget(
                 self.layout, self._kv_budget_bytes(loaded.device)
@@ -97,6 +102,16 @@ class EngineCore:
         self.last_stats: StepStats | None = None
 
     # ---- sizing -------------------------------------------------------------------------------
+
+    def _max_step_tokens(self) -> int:
+        """The most tokens one step computes (what sliding-window groups must hold beyond their
+        windows): the budget's ceiling, or every sequence's one decode in a decode-only step;
+        with chunking off a prompt that exceeds the budget runs whole, alone."""
+        sched = self.config.scheduler
+        tokens = max(sched.max_num_batched_tokens, sched.max_num_seqs)
+        if not sched.enable_chunked_prefill:
+            tokens = max(tokens, self.max_model_len - 1)
+        return tokens
 
     def _kv_budget_bytes(self, device: torch.device) -> int:
         cache = self.config.cache

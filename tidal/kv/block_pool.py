@@ -37,7 +37,7 @@ class BlockPool:
     """All block ids of the pool (id 0 is the null block and never handed out).
 
     Free blocks live in one of three queues, each in release order (front = least recently used):
-      - `_uncached`: no hash, handed out first;
+      - `_uncached`: no hash, handed out first, most recently released first (a stack);
       - `_cached_anon`: hashed, released by a request without session;
       - `_cached_session`: hashed, last released by a session request.
     Eviction order when `_uncached` runs dry (one tier after the other, LRU inside each):
@@ -46,6 +46,12 @@ class BlockPool:
       3. session blocks of the last N turns: memory pressure forced out a block that the
          retention policy promised to keep                           (reason "pressure")
     where N = session_turns and a block's turn is the turn of the request that last released it.
+
+    NOTE: `_uncached` is a stack (LIFO), block 1 on top at start: the pages of a block that was
+    just released are still resident, while a never-used block's pages are not (the KV tensors
+    are lazily backed on the CPU, see tidal.attention.page_memory), so handing out the most
+    recent one first keeps the resident memory at the peak number of blocks in use rather than
+    letting it creep up to the whole pool. Which block a request gets never changes its output.
     """
 
     def __init__(self, num_blocks: int, clock: Callable[[], float], session_turns: int) -> None:
@@ -57,7 +63,8 @@ class BlockPool:
         self._clock = clock
         self._session_turns = session_turns
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._uncached: deque[int] = deque(range(1, num_blocks))
+        # The top of the stack is the right end: block 1 first, then 2, 3, ...
+        self._uncached: deque[int] = deque(range(num_blocks - 1, 0, -1))
         self._cached_anon: OrderedDict[int, None] = OrderedDict()
         self._cached_session: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[HashKey, int] = {}
@@ -89,12 +96,13 @@ class BlockPool:
             block.last_used_s = now
 
     def take(self, n: int) -> list[int]:
-        """Hand out n blocks with ref_cnt 1: never-used ones first, then evicted cached ones."""
+        """Hand out n blocks with ref_cnt 1: unhashed ones first (the most recently released
+        first), then evicted cached ones (least recently used first)."""
         if n > self.num_free:
             raise RuntimeError(
                 f"asked for {n} blocks with only {self.num_free} free; check num_free first"
             )
-        ids = [self._uncached.popleft() for _ in range(min(n, len(self._uncached)))]
+        ids = [self._uncached.pop() for _ in range(min(n, len(self._uncached)))]
         if len(ids) < n:
             ids.extend(self._evict(n - len(ids)))
         now = self._clock()
@@ -107,7 +115,8 @@ class BlockPool:
     def release(
         self, block_ids: Iterable[int], session_id: str | None = None, turn: int = 0
     ) -> None:
-        """Drop one reference each; idle blocks join the tail (most recent end) of a free queue."""
+        """Drop one reference each; idle blocks join the most recent end of a free queue (the
+        top of the `_uncached` stack, the tail of a cached LRU queue)."""
         now = self._clock()
         for block_id in block_ids:
             block = self.blocks[block_id]
@@ -200,12 +209,68 @@ def num_blocks_for_budget(layout: KVLayout, kv_bytes: int) -> int:
     return num_blocks
 
 
-def num_blocks_for_tokens(layout: KVLayout, tokens: int) -> int:
-    """How many blocks (the null block included) hold `tokens` tokens in every layer group.
+def num_blocks_for_tokens(
+    layout: KVLayout, tokens: int, max_num_seqs: int, max_step_tokens: int
+) -> int:
+    """How many blocks (the null block included) always hold `tokens` tokens of KV in total,
+    over at most max_num_seqs sequences, each step computing at most max_step_tokens tokens.
 
-    Each group keeps its own block table, so a token costs one page slot per group; sliding
-    groups give back pages that leave their window, so the pool then holds more than `tokens`."""
+    A full-attention group needs a page for every token of every sequence, a partial last page
+    per sequence included: at most k + (tokens - k) // bs pages for k = min(max_num_seqs,
+    tokens) sequences (each of k sequences starts a page with its first token; every bs more
+    tokens start at most one more). A sliding group never needs more than that either (its
+    table is as long, with null entries), nor more than `sliding_window_blocks` (the pages
+    that can be live in its window), whichever is less: so llama.cpp's -c N without
+    --swa-full, rather than N tokens in every layer."""
     if tokens <= 0:
         raise ValueError(f"tokens={tokens} is invalid: expected a positive number of tokens")
-    pages_per_group = -(-tokens // layout.block_size)
-    return 1 + pages_per_group * len(layout.groups)
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs} is invalid: expected an integer >= 1")
+    if max_step_tokens < 1:
+        raise ValueError(f"max_step_tokens={max_step_tokens} is invalid: expected an integer >= 1")
+    bs = layout.block_size
+    k = min(max_num_seqs, tokens)
+    full_pages = k + (tokens - k) // bs
+    num_blocks = 1
+    for group in layout.groups:
+        pages = full_pages
+        if group.sliding_window is not None:
+            live = sliding_window_blocks(group.sliding_window, bs, max_num_seqs, max_step_tokens)
+            pages = min(pages, live)
+        num_blocks += pages
+    return num_blocks
+
+
+def sliding_window_blocks(
+    window: int, block_size: int, max_num_seqs: int, max_step_tokens: int
+) -> int:
+    """The most pages one sliding-window group can hold at once (kv/manager.py's allocation).
+
+    Before each step the scheduler gives back every running sequence's pages that no query at
+    position >= num_computed can see (KVCacheManager.release_out_of_window), so between steps
+    a sequence holds the pages of its last W - 1 tokens, and during a step the pages of the
+    W - 1 + C tokens from num_computed - W + 1 to the end of its chunk of C tokens; a prefix
+    hit takes only the pages the hit position's window sees. L consecutive tokens touch at
+    most span(L) = ceil((L - 1) / bs) + 1 pages (when the first sits at the end of a page):
+
+        W=8, bs=4, C=1: tokens 3..10 (W - 1 + C = 8 of them) touch pages 0, 1, 2
+        tokens  0 1 2 3 | 4 5 6 7 | 8 9 10 11
+        span(8) = ceil(7 / 4) + 1 = 3,  idle span(7) = ceil(6 / 4) + 1 = 3
+
+    A chunk of C tokens then costs e(C) = span(W - 1 + C) - span(W - 1) pages more than the
+    idle ones; e is 0 up to C = c1 - 1 (the room left in the last page), then grows by one
+    page per bs tokens. The step's chunks sum to at most max_step_tokens = T over at most
+    max_num_seqs = S sequences, so the extra pages are at most k + (T - k * c1) // bs with
+    k = min(S, T // c1) sequences taking c1 tokens each and the rest going to one of them.
+    """
+    bs = block_size
+
+    def span(num_tokens: int) -> int:
+        return -(-(num_tokens - 1) // bs) + 1
+
+    idle = span(max(1, window - 1))
+    # e(C) = ceil((a + C) / bs) - ceil(a / bs) with a = W - 2; c1 is the least C with e(C) = 1.
+    a = window - 2
+    c1 = bs * -(-a // bs) - a + 1
+    k = min(max_num_seqs, max_step_tokens // c1)
+    return max_num_seqs * idle + k + (max_step_tokens - k * c1) // bs

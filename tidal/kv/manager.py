@@ -274,6 +274,17 @@ class KVCacheManager:
         self.pool.latest_turn[session_id] = next_turn
         return next_turn
 
+    def release_out_of_window(self, request: Request) -> None:
+        """Give back the sliding-window blocks no query at position >= num_computed_tokens sees.
+
+        The scheduler calls this for every running request before it builds a step, so a
+        request that gets no tokens this step does not keep the blocks its last chunk needed
+        (kv/block_pool.py sliding_window_blocks counts on it). allocate_slots does the same for
+        the request it allocates for."""
+        state = self._reqs.get(request.request_id)
+        if state is not None:
+            self._release_dead(state, request.num_computed_tokens)
+
     def _release_dead(self, state: _RequestBlocks, next_query_pos: int) -> None:
         for g, window in enumerate(self._windows):
             if window is None:

@@ -148,6 +148,8 @@ class Scheduler:
         """Decide this step's batch; see the block comment for the policy."""
         # Core idea: one step of continuous batching, counted in tokens and blocks.
         #  0. Drop cached blocks idle past their TTL; finish requests whose deadline passed.
+        #     Every running request gives back the sliding-window blocks its next query cannot
+        #     see, scheduled this step or not (the pool's sliding share is sized on that).
         #     The batch controller plans this step: token budget = every decode + the prefill
         #     tokens that fit the time target (BatchController), and the seat cap.
         #  1. Running requests first, decodes then prefills, each oldest first: each gets its
@@ -172,6 +174,8 @@ class Scheduler:
         #     hits a block written in this same step always comes after its writer.
         now = self._clock()
         self.kv.evict_expired()
+        for request in self._running:
+            self.kv.release_out_of_window(request)
         queried0, hits0 = self.kv.prefix_queried_tokens, self.kv.prefix_hit_tokens
         out = SchedulerOutput()
         out.finished.extend(self._finished_pending)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from tidal.attention.kv_quant import QuantizedKV, allocate_quantized_pool
+from tidal.attention.page_memory import zeroed_pages
 from tidal.kv.layout import KVLayout
 
 # Per layer (k_cache, v_cache): float tensors, or QuantizedKV pages when layout.kv_dtype is 8-bit;
@@ -22,7 +23,9 @@ def allocate_kv_caches(
 
     The pool is (layers_per_group, parts, num_blocks, block_size, KVH, D): layer j of every group uses
     slot j, so a block id owned by group g only ever holds g's layers. Zero-filled, because the
-    null block 0 is read (and masked out) by sliding layers, and 0 * NaN would poison the output.
+    null block 0 is read (and masked out) by sliding layers, and 0 * NaN would poison the output;
+    on the CPU the zeros are lazily backed (attention/page_memory.py): a page that no token
+    reaches costs no resident memory.
     `dtype` is the float storage of layout.kv_dtype "auto"; "bfloat16" and 8-bit layouts ignore it.
     """
     shape = (
@@ -39,7 +42,7 @@ def allocate_kv_caches(
         )
     else:
         storage = torch.bfloat16 if layout.kv_dtype == "bfloat16" else dtype
-        pool = torch.zeros(shape, dtype=storage, device=device)
+        pool = zeroed_pages(shape, storage, device)
     caches: list[KVCache] = [None] * layout.num_layers  # type: ignore[list-item]
     for spec in layout.groups:
         for slot, layer_id in enumerate(spec.layer_ids):
