@@ -19,6 +19,7 @@ from tests.engine.tiny import make_tiny_model_dir
 from tidal.cli import main as tidal_main
 from tidal.engine.builder import build_engine
 from tidal.engine.llm import engine_config_from_kwargs
+from tidal.kernels import build
 from tidal.worker.gate import GateFailed, heldout_text, run_gate
 from tidal.worker.gate import main as gate_main
 from tidal.worker.gate_cache import load_verdict, verdict_file, verdict_key
@@ -157,6 +158,20 @@ def test_verdict_key_follows_the_model_file_and_settings(tiny_dir: Path) -> None
     assert verdict_key(tiny_dir, "int8", "auto", 1.0, text) != key
     assert verdict_file(tiny_dir) == tiny_dir / ".tidal-quant-gate.json"
     assert verdict_file(Path("/m/x.gguf")) == Path("/m/x.gguf.quant-gate.json")
+
+
+def test_verdict_key_follows_the_kernel_sources(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A changed kernel gives other numbers: a verdict measured before it must not be reused."""
+    text = heldout_text()
+    sources = tmp_path / "kernels"
+    shutil.copytree(build._SOURCES, sources)
+    monkeypatch.setattr(build, "_SOURCES", sources)
+    key = verdict_key(tiny_dir, "gguf-q8", "auto", 1.0, text)
+    gemm = sources / "gguf_gemm.c"
+    gemm.write_text(gemm.read_text() + "\n/* an edit */\n")
+    assert verdict_key(tiny_dir, "gguf-q8", "auto", 1.0, text) != key
 
 
 def test_quantize_check_measures_the_kv_cache(

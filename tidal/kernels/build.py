@@ -57,6 +57,28 @@ def _compiler() -> str | None:
     return None
 
 
+def _digest(sources: list[Path], cc: str) -> str:
+    """16 hex digits over the sources, the headers, the compiler, its flags and the CPU model."""
+    headers = sorted(_SOURCES.glob("*.h"))
+    return hashlib.sha256(
+        b"\0".join(
+            [p.read_bytes() for p in (*sources, *headers)]
+            + [cc.encode(), " ".join(_FLAGS).encode(), _cpu_model().encode()]
+        )
+    ).hexdigest()[:16]
+
+
+def identity() -> str:
+    """What decides the numbers tidal's kernels give on this machine: a digest of every kernel
+    source with the compiler, its flags and the CPU model, or "off" where no kernel can build
+    (torch's fallbacks run). Results measured through the kernels (the accuracy gate's stored
+    verdicts) key on it, so a changed kernel measures afresh."""
+    cc = _compiler()
+    if os.environ.get("TIDAL_KERNELS", "1") == "0" or cc is None:
+        return "off"
+    return _digest(sorted(_SOURCES.glob("*.c")), cc)
+
+
 def load(name: str, link: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled library for tidal/kernels/<name>.c, or None where it cannot be built (no C
     compiler, a failed build, TIDAL_KERNELS=0); callers then take their torch fallback.
@@ -77,13 +99,7 @@ def _build_and_load(name: str, link: tuple[str, ...] = ()) -> ctypes.CDLL | None
         log.warning("no C compiler found: the %s kernel is off, torch's fallback runs", name)
         return None
     sources = [_SOURCES / f"{n}.c" for n in (name, *link)]
-    headers = sorted(_SOURCES.glob("*.h"))
-    key = hashlib.sha256(
-        b"\0".join(
-            [p.read_bytes() for p in (*sources, *headers)]
-            + [cc.encode(), " ".join(_FLAGS).encode(), _cpu_model().encode()]
-        )
-    ).hexdigest()[:16]
+    key = _digest(sources, cc)
     target = cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tidal.kernels.build import identity
+
 if TYPE_CHECKING:
     from tidal.worker.gate import GateReport
 
@@ -76,9 +78,11 @@ def verdict_key(
     heldout: str,
     max_tokens: int | None = None,
 ) -> str:
-    """sha256 over everything that decides the verdict."""
+    """sha256 over everything that decides the verdict, the kernels' build among it (a changed
+    kernel, compiler or CPU gives other numbers)."""
     parts = [
         GATE_VERSION,
+        identity(),
         model_identity(model_path),
         scheme,
         kv_cache_dtype,
