@@ -28,6 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 
+from tidal.bench.server_probe import tree_memory_bytes
+
 
 def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> float:
     started = time.monotonic()
@@ -52,13 +54,8 @@ def complete(base: str, body: dict) -> dict:
 
 
 def tree_rss(root: psutil.Process) -> int:
-    total = 0
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    memory = tree_memory_bytes(root.pid)
+    return 0 if memory is None else memory[0]
 
 
 def burst(base: str, root: psutil.Process, n: int, prompt_tokens: int, max_tokens: int) -> dict:

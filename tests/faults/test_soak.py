@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2 as httpx
-import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.tiny_server import ServerProcess
+from tidal.bench.server_probe import tree_memory_bytes
 
 SOAK_S = float(os.environ.get("TIDAL_SOAK_S", "600"))
 # Warm-up traffic before the baseline: the allocator, torch's caches and the prefix cache settle.
@@ -61,14 +61,9 @@ class Tally:
 
 def _tree_rss(pid: int) -> int:
     """RSS of the server process and its children (the engine process), in bytes."""
-    root = psutil.Process(pid)
-    total = 0
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            total += p.memory_info().rss
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    memory = tree_memory_bytes(pid)
+    assert memory is not None, f"server process {pid} is gone"
+    return memory[0]
 
 
 def _metrics(base_url: str) -> dict[str, float]:
