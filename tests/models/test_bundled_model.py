@@ -19,6 +19,13 @@ FIXTURE = json.loads(
 # transformers' own logits move by ~1.8e-5 between 1 and 2 threads; the fixture's tolerance is 10x
 # that (tidal measured: at most 7.6e-6 on these prompts).
 LOGIT_ATOL = FIXTURE["tolerance"]["logit_atol"]
+# The file's blocks prefill through oneDNN's float32 GEMM (tidal.quant.gguf_blocks.cpu_gemm),
+# whose summation order is further from transformers' MKL one. Against a float64 evaluation of
+# the same file (tidal's float model in float64), worst top-20 logit error on the "chat" prompt:
+# transformers float32 9.9e-5, tidal float32 with MKL 3.4e-5, tidal's blocks with oneDNN 1.9e-4
+# (2.8e-4 from transformers). Both are float32 rounding; 5e-4 bounds that with 1.8x to spare and
+# stays far below a decoding error (a wrong scale or code moves logits by > 1e-2).
+BLOCKS_LOGIT_ATOL = max(LOGIT_ATOL, 5e-4)
 
 
 @pytest.fixture(scope="module", params=["float", "gguf-blocks"])
@@ -37,7 +44,9 @@ def test_tokenizer_matches_transformers(bundled_gguf):
         ]
 
 
-def test_logits_and_greedy_match_transformers(bundled):
+def test_logits_and_greedy_match_transformers(bundled, request):
+    blocks = request.node.callspec.params["bundled"] == "gguf-blocks"
+    atol = BLOCKS_LOGIT_ATOL if blocks else LOGIT_ATOL
     prompts = [c["prompt_ids"] for c in FIXTURE["prompts"]]
     logits, outs = paged_prefill_and_greedy(
         bundled.model, bundled.arch, prompts, max_new=FIXTURE["max_new_tokens"], chunk=None
@@ -49,7 +58,7 @@ def test_logits_and_greedy_match_transformers(bundled):
             worst = max(worst, (got - torch.tensor(ref)).abs().max().item())
             assert int(ours[pos].argmax()) == ids[0]
         print(f"{case['name']}: max |logit diff| over top-{FIXTURE['top_k']} = {worst:.2e}")
-        assert worst < LOGIT_ATOL, case["name"]
+        assert worst < atol, case["name"]
         assert out == case["greedy_ids"], case["name"]
 
 

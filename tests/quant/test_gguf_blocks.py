@@ -125,6 +125,41 @@ def test_kernel_and_tiled_paths_agree(tiny_gguf: Path, rows: int) -> None:
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gemm", gguf_blocks.CPU_GEMMS)
+def test_prefill_gemms_agree_with_float64(
+    tiny_gguf: Path, gemm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Either float32 GEMM of the prefill tiles (oneDNN, MKL) gives the float64 product of the
+    dequantized weights to float32 rounding, also for a strided x (a view of a wider buffer)."""
+    if gemm == "onednn" and gguf_blocks._onednn_linear is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setenv("TIDAL_CPU_GEMM", gemm)
+    gguf_blocks.cpu_gemm.cache_clear()
+    try:
+        assert gguf_blocks.cpu_gemm() == gemm
+        parts = [
+            _linear(tiny_gguf, "blk.0.attn_q.weight"),
+            _linear(tiny_gguf, "blk.0.attn_v.weight"),
+        ]
+        layer = GGUFLinear(parts, None, torch.float32)
+        wide = torch.randn(70, parts[0].cols + 5)
+        x = wide[:, 2 : 2 + parts[0].cols]
+        expected = (x.double() @ layer.dequantize().double().t()).float()
+        torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    finally:
+        gguf_blocks.cpu_gemm.cache_clear()
+
+
+def test_cpu_gemm_env_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TIDAL_CPU_GEMM", "blas")
+    gguf_blocks.cpu_gemm.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="TIDAL_CPU_GEMM"):
+            gguf_blocks.cpu_gemm()
+    finally:
+        gguf_blocks.cpu_gemm.cache_clear()
+
+
 def test_fuse_keeps_columns_in_order(tiny_gguf: Path) -> None:
     q = GGUFLinear([_linear(tiny_gguf, "blk.0.attn_q.weight")], None, torch.float32)
     k = GGUFLinear([_linear(tiny_gguf, "blk.0.attn_k.weight")], torch.ones(128), torch.float32)

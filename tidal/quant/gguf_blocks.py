@@ -13,6 +13,9 @@ Two activation modes:
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 from torch import nn
 
@@ -28,11 +31,17 @@ from tidal.kernels.gguf_gemm import (
 
 ACTIVATIONS = ("f32", "q8")
 # Rows of x up to which the kernel runs in "f32" mode; above it (prefill chunks) decoded row
-# tiles go to torch's float32 matmul (MKL/oneDNN), which is faster there. "q8" runs the kernel
-# for every batch: its integer dot products are the fast path for many rows too.
+# tiles go to a float32 GEMM library, which is faster there. "q8" runs the kernel for every
+# batch: its integer dot products are the fast path for many rows too.
 F32_KERNEL_MAX_ROWS = 32
 # Decode at most this many weight values per tile of the prefill path (a few MiB of float32).
 TILE_VALUES = 1 << 20
+# The float32 GEMM of the prefill tiles on CPU: "onednn" (torch's mkldnn linear) or "mkl"
+# (torch.matmul). oneDNN picks its kernels by the CPU's ISA; MKL's sgemm read 81-104 GFLOP/s
+# against oneDNN's 120-171 on a 2-core AMD EPYC with AVX-512 (512x640 @ 640x1638, one process,
+# interleaved), and 96 vs 126 with both capped at AVX2. Both are float32 FMA sums: the same
+# numbers up to summation order. TIDAL_CPU_GEMM selects one (tests, comparisons).
+CPU_GEMMS = ("onednn", "mkl")
 
 
 def supported(ggml_type: int) -> bool:
@@ -116,16 +125,23 @@ class GGUFLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def _tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode row tiles of W to float32 and multiply with torch (MKL/oneDNN on CPU, which is
-        fastest for prefill-sized batches); the float copy stays a few MiB."""
+        """Decode row tiles of W to float32 and multiply them with a float32 GEMM library
+        (cpu_gemm(): oneDNN or MKL on CPU), fastest for prefill-sized batches; the float copy
+        stays a few MiB."""
         out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
         step = max(1, TILE_VALUES // self.in_features)
+        onednn = x.is_cpu and cpu_gemm() == "onednn"
+        if onednn:
+            x = x.contiguous()
         col = 0
         for part in self.parts:
             for a in range(0, part.rows, step):
                 b = min(a + step, part.rows)
                 w = decode_rows(part, a, b).to(x.device)
-                torch.matmul(x, w.t(), out=out[:, col + a : col + b])
+                if onednn:
+                    out[:, col + a : col + b] = _onednn_linear(x, w, None, "none", [], "")
+                else:
+                    torch.matmul(x, w.t(), out=out[:, col + a : col + b])
             col += part.rows
         return out
 
@@ -160,6 +176,35 @@ class GGUFEmbedding(nn.Module):
             rows = _torch_decode(self.weight_blocks.blocks[flat.cpu()], self.weight_blocks)
             rows = rows.to(flat.device)
         return rows.reshape(*ids.shape, -1).to(self.out_dtype)
+
+
+def _find_onednn_linear():
+    """torch's oneDNN linear on dense float32 tensors, or None where this torch lacks it."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_onednn_linear = _find_onednn_linear()
+
+
+@functools.cache
+def cpu_gemm() -> str:
+    """The float32 GEMM the CPU prefill tiles run: env TIDAL_CPU_GEMM (read once per process),
+    else oneDNN where torch has it, else MKL (torch.matmul)."""
+    wanted = os.environ.get("TIDAL_CPU_GEMM", "").strip().lower()
+    if wanted and wanted not in CPU_GEMMS:
+        raise ValueError(
+            f"TIDAL_CPU_GEMM={wanted!r} is invalid: expected one of {', '.join(CPU_GEMMS)}"
+        )
+    if wanted == "onednn" and _onednn_linear is None:
+        raise ValueError("TIDAL_CPU_GEMM=onednn: this torch build has no oneDNN linear")
+    if wanted:
+        return wanted
+    return "onednn" if _onednn_linear is not None else "mkl"
 
 
 def decode_rows(weight: BlockWeight, start: int, stop: int) -> torch.Tensor:
