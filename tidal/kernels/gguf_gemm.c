@@ -29,7 +29,9 @@
  *   multiply the partial sum of their values' q * x).
  * act Q8: each row of x is quantized once per call, to int8 with a float scale per 32 values for
  *   the runs of 32, per 256 with the sums of every 16 codes (ggml's Q8_K) for the K-quants; dot
- *   products run on integer SIMD (AVX2 maddubs/madd) as in ggml-cpu: slightly different numbers.
+ *   products run on integer SIMD (AVX2 maddubs/madd, AVX-512 VNNI dpbusd/dpwssd) as in ggml-cpu:
+ *   slightly different numbers. The integer sums are exact on every path (no int16 saturation:
+ *   the sign trick bounds maddubs' pairs), so AVX2 and AVX-512 give the same q8 bits.
  *
  * Batch invariance (the contract): every y[m, n] is computed by the same sequence of float
  * operations whatever M is, wherever row m falls in a tile of MT rows, and whatever the thread
@@ -40,9 +42,12 @@
  * Work: ONE OpenMP region per call covers up to MAX_SEG matrices sharing K (fused q/k/v, gate/up,
  * whose types may differ). Chunks of CHUNK weight rows are split statically over the threads; in
  * a chunk, each tile of up to MT rows of x passes once over each weight row while it is in L1.
- * Kernels: one function per (type, act, ISA), picked at run time by `isa`: ISA_AVX2 (compiled
- * where the build has AVX2+FMA+F16C) or ISA_SCALAR (plain C, the same math summed in another
- * order). An AVX-512/VNNI set is one more table in pick(). */
+ * Kernels: one function per (type, act, ISA), picked at run time by `isa`: ISA_AVX512 (compiled
+ * where the build has AVX-512 F/BW/VL + VNNI besides AVX2's set), ISA_AVX2 (AVX2+FMA+F16C) or
+ * ISA_SCALAR (plain C, the same math summed in another order). Each is a table in pick(); an
+ * entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up in a
+ * table of their block's float weights (one permute per 16 codes, see b32_table512), its q8 is
+ * AVX2's with VNNI; the activations' quantization and the dequantization are AVX2's on it. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
