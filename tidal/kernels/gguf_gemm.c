@@ -46,7 +46,7 @@
  * where the build has AVX-512 F/BW/VL + VNNI besides AVX2's set), ISA_AVX2 (AVX2+FMA+F16C) or
  * ISA_SCALAR (plain C, the same math summed in another order). Each is a table in pick(); an
  * entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up in a
- * table of their block's float weights (one permute per 16 codes, see b32_table512), its q8 is
+ * table of their block's float weights (one permute per 16 codes, see b32_weights512), its q8 is
  * AVX2's with VNNI; the activations' quantization and the dequantization are AVX2's on it. */
 #include <math.h>
 #include <stdint.h>
@@ -675,15 +675,24 @@ static inline __m512i with_bit4(__m512i ix, __m512i b4) {
     return _mm512_ternarylogic_epi32(ix, b4, _mm512_set1_epi32(0x10), 0xD8);
 }
 
-/* Weight lookup. A byte of two nibbles widened to an int32 lane indexes the table with its low
- * nibble as it is (vpermps reads bits 0-3, vpermt2ps bits 0-4) and with its high one after a
- * shift: lanes stay in code order, so x is read as it lies. The tables hold the values the
- * plain decode gives (d*(i-8), d*K[i], d*(i-16), fmsub(i, d*sc, dmin*m)), so each weight is
- * the dequantized one, bit for bit. */
+/* Weight lookup (f32). A byte of two nibbles widened to an int32 lane indexes the table with
+ * its low nibble as it is (vpermps reads bits 0-3, vpermt2ps bits 0-4) and with its high one
+ * after a shift: lanes stay in code order, so x is read as it lies. The 32-blocks' tables hold
+ * their dequantized values bit for bit (d*(i-8), d*K[i], d*(i-16)); the K-quants' hold
+ * fmsub(i, d*sc, dmin*m), the one rounding AVX2's f32 decode makes too. */
 
-/* run g's 32 weights w[0..15], w[16..31] (Q4_0, Q5_0, IQ4_NL, IQ4_XS) */
-ALWAYS void b32_table512(int type, const uint8_t *w, int64_t g, __m512 *w0, __m512 *w1) {
+/* run g's 32 weights as floats: w[0..15], w[16..31]. Q8_0's 256 codes fit no table: widened
+ * from memory, converted and times d (the decode-then-scale order of the f32 rows measured
+ * ~3% faster for a lone row but ~10% slower from 4 rows up; on the LM head 1.4x AVX2's speed
+ * either way) */
+ALWAYS void b32_weights512(int type, const uint8_t *w, int64_t g, __m512 *w0, __m512 *w1) {
     const uint8_t *b = w + g * block_bytes(type), *qs = b + 2;
+    if (type == T_Q8_0) {
+        __m512 dv = _mm512_set1_ps(half_f16c(b));
+        *w0 = _mm512_mul_ps(dv, i8x16_ps(_mm_loadu_si128((const __m128i *)qs)));
+        *w1 = _mm512_mul_ps(dv, i8x16_ps(_mm_loadu_si128((const __m128i *)(qs + 16))));
+        return;
+    }
     float d;
     if (type == T_IQ4_XS) {
         const uint8_t *sb = w + (g >> 3) * 136;
@@ -716,31 +725,12 @@ ALWAYS void b32_table512(int type, const uint8_t *w, int64_t g, __m512 *w0, __m5
     *w1 = _mm512_permutexvar_ps(v4, t);
 }
 
-/* Q8_0's run b into acc[i]: codes widened from memory, two 16-wide partial products, then d
- * (a table cannot hold 256 codes; pre-scaling measured slower for a lone row) */
-ALWAYS void q8_0_f32_step512(const uint8_t *w, const uint8_t *x, int64_t ldx, int64_t b, int mt,
-                             __m512 *acc) {
-    const uint8_t *blk = w + b * 34;
-    __m512 w0 = i8x16_ps(_mm_loadu_si128((const __m128i *)(blk + 2)));
-    __m512 w1 = i8x16_ps(_mm_loadu_si128((const __m128i *)(blk + 18)));
-    __m512 dv = _mm512_set1_ps(half_f16c(blk));
-    EACH_ROW(i) {
-        const float *xr = (const float *)(x + i * ldx) + 32 * b;
-        __m512 g = _mm512_mul_ps(w0, _mm512_loadu_ps(xr));
-        g = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), g);
-        acc[2 * i] = _mm512_fmadd_ps(g, dv, acc[2 * i]);
-    }
-}
-
-/* the other runs of 32: looked-up weights, one FMA per 16 values and row, two chains a row */
+/* run b into the rows' accumulators: one FMA per 16 values and row, two chains a row (one
+ * would leave a lone row waiting on the FMA latency) */
 ALWAYS void b32_f32_step512(int type, const uint8_t *w, const uint8_t *x, int64_t ldx, int64_t b,
                             int mt, __m512 *acc) {
-    if (type == T_Q8_0) {
-        q8_0_f32_step512(w, x, ldx, b, mt, acc);
-        return;
-    }
     __m512 w0, w1;
-    b32_table512(type, w, b, &w0, &w1);
+    b32_weights512(type, w, b, &w0, &w1);
     EACH_ROW(i) {
         const float *xr = (const float *)(x + i * ldx) + 32 * b;
         acc[2 * i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[2 * i]);
