@@ -682,9 +682,8 @@ static inline __m512i with_bit4(__m512i ix, __m512i b4) {
  * fmsub(i, d*sc, dmin*m), the one rounding AVX2's f32 decode makes too. */
 
 /* run g's 32 weights as floats: w[0..15], w[16..31]. Q8_0's 256 codes fit no table: widened
- * from memory, converted and times d (the decode-then-scale order of the f32 rows measured
- * ~3% faster for a lone row but ~10% slower from 4 rows up; on the LM head 1.4x AVX2's speed
- * either way) */
+ * from memory, converted and times d (AVX2's decode-then-scale order, 16 lanes wide, measured
+ * ~3% faster for a lone row but up to ~10% slower from 4 rows up) */
 ALWAYS void b32_weights512(int type, const uint8_t *w, int64_t g, __m512 *w0, __m512 *w1) {
     const uint8_t *b = w + g * block_bytes(type), *qs = b + 2;
     if (type == T_Q8_0) {
@@ -746,12 +745,24 @@ ALWAYS void b32_f32_avx512(int type, const uint8_t *w, int64_t nb, const uint8_t
     EACH_ROW(i) out[i] = hsum16(_mm512_add_ps(acc[2 * i], acc[2 * i + 1]));
 }
 
+/* run g's 32 signed codes as b32_decode_avx2 gives them; Q5_0's fifth bits become a byte mask
+ * (one masked subtract where AVX2 spreads the bits in four ops) */
+ALWAYS __m256i b32_decode_avx512(int type, const uint8_t *w, int64_t g, float *d) {
+    if (type != T_Q5_0) return b32_decode_avx2(type, w, g, d);
+    const uint8_t *b = w + g * block_bytes(type);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    *d = half_f16c(b);
+    __m256i nib = nibbles(b + 6); /* byte i: q[i]'s low nibble; q - 16 where bit 4 is clear */
+    return _mm256_mask_sub_epi8(nib, (__mmask32)~qh, nib, _mm256_set1_epi8(16));
+}
+
 /* b32_q8_step with one VNNI dpbusd for AVX2's maddubs + madd: the same exact int32 lanes (the
  * sign trick keeps maddubs from saturating there), then the same float operations */
 ALWAYS void b32_q8_step512(int type, const uint8_t *w, const uint8_t *x, int64_t ldx, int64_t b,
                            int mt, __m256 *acc) {
     float dw;
-    __m256i q = b32_decode_avx2(type, w, b, &dw);
+    __m256i q = b32_decode_avx512(type, w, b, &dw);
     __m256i aq = _mm256_sign_epi8(q, q); /* dpbusd too wants an unsigned side: |w| * (x as w) */
     __m256 dwv = _mm256_set1_ps(dw);
     EACH_ROW(i) {
