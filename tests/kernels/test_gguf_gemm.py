@@ -19,6 +19,7 @@ from gguf import quants as gq
 
 from tidal.kernels import gguf_gemm as gg
 from tidal.kernels.bench_gguf import random_blocks
+from tidal.kernels.isa import ISA_CPU_FLAGS
 
 pytestmark = pytest.mark.skipif(not gg.available(), reason="no C compiler: the torch fallback runs")
 
@@ -188,12 +189,61 @@ def test_block_table_matches_the_loader() -> None:
 
 def test_isas_and_the_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ISAS[-1] == "scalar" and gg.default_isa() == ISAS[0]
-    monkeypatch.setenv("TIDAL_KERNEL_ISA", "scalar")
-    gg.default_isa.cache_clear()
+    assert ISAS == sorted(ISAS, key=gg._ISA_CODES.get, reverse=True)  # best first
+    if ISA_CPU_FLAGS["avx512"] <= gg.cpu_flags() and gg._library().tidal_gguf_has_avx512():
+        assert ISAS[0] == "avx512"
+    # each name is a ceiling: the best path at or below it (=avx512 on an AVX2 machine: avx2)
+    expect = {
+        "avx512": ISAS[0],
+        "avx2": next(i for i in ISAS if i != "avx512"),
+        "scalar": "scalar",
+    }
     try:
-        assert gg.default_isa() == "scalar"
+        for name, path in expect.items():
+            monkeypatch.setenv("TIDAL_KERNEL_ISA", name)
+            gg.default_isa.cache_clear()
+            assert gg.default_isa() == path
+            assert gg._isa_code(None) == gg._ISA_CODES[path]
+        monkeypatch.setenv("TIDAL_KERNEL_ISA", "neon")
+        gg.default_isa.cache_clear()
+        with pytest.raises(ValueError, match="TIDAL_KERNEL_ISA"):
+            gg.default_isa()
     finally:
         gg.default_isa.cache_clear()
+
+
+@pytest.mark.skipif("avx512" not in ISAS, reason="no AVX-512 VNNI path here")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_avx512_against_avx2(t: Q) -> None:
+    """q8: VNNI sums the same exact integers AVX2's maddubs/madd do, and the float steps that
+    follow are AVX2's: equal bits. f32: another summation order (and table-decoded weights),
+    within the f32 tolerance of each other."""
+    k = _k_of(t, 9, 3)
+    w = weight(t, 35, k, random_bytes=True)
+    torch.manual_seed(6)
+    x = torch.randn(11, k)
+    assert torch.equal(gg.gguf_gemm(x, w, "q8", "avx512"), gg.gguf_gemm(x, w, "q8", "avx2"))
+    f512, f2 = gg.gguf_gemm(x, w, "f32", "avx512"), gg.gguf_gemm(x, w, "f32", "avx2")
+    scale = torch.from_numpy(np.abs(x.numpy()) @ np.abs(dequantized(w)).T)
+    assert ((f512 - f2).abs() <= 2 * F32_TOL * scale).all()
+    check(f512, x, w, "f32")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("act", gg.ACTS)
+def test_every_batch_from_1_to_64_gives_the_same_rows(isa: str, t: Q, act: str) -> None:
+    """Odd shapes (N 35: two chunks and a part; K an odd count of blocks) and every M up to 64:
+    each prefix of the batch gives its rows' bits as computed in the full batch."""
+    n, k = 35, _k_of(t, 5, 3)
+    w = weight(t, n, k, seed=7, random_bytes=True)
+    torch.manual_seed(7)
+    x = torch.randn(64, k)
+    full = gg.gguf_gemm(x, w, act, isa)
+    check(full, x, w, act)
+    for m in range(1, 64):
+        assert torch.equal(gg.gguf_gemm(x[:m], w, act, isa), full[:m]), f"M={m}"
+        assert torch.equal(gg.gguf_gemm(x[64 - m :], w, act, isa), full[64 - m :]), f"M={m}"
 
 
 def test_refusals_and_errors() -> None:
@@ -211,7 +261,10 @@ def test_refusals_and_errors() -> None:
     with pytest.raises(ValueError, match="act"):
         gg.gguf_gemm(x, [w], "int4")
     with pytest.raises(ValueError, match="isa"):
-        gg.gguf_gemm(x, [w], isa="avx512")
+        gg.gguf_gemm(x, [w], isa="neon")
+    if "avx512" not in ISAS:  # a path this machine cannot run is refused, not run lower
+        with pytest.raises(ValueError, match="isa"):
+            gg.gguf_gemm(x, [w], isa="avx512")
     with pytest.raises(ValueError, match="out"):
         gg.gguf_gemm(x, [w], out=torch.empty(2, 5))
     with pytest.raises(ValueError, match="ggml_type"):

@@ -423,7 +423,11 @@ def test_isa_environment_lowers_the_default(monkeypatch: pytest.MonkeyPatch) -> 
         monkeypatch.setenv("TIDAL_KERNEL_ISA", "scalar")
         pa.default_isa.cache_clear()
         assert pa.default_isa() == pa.ISA_SCALAR
+        # a ceiling: AVX-512 is a name every kernel takes; attention's best stays below it
         monkeypatch.setenv("TIDAL_KERNEL_ISA", "avx512")
+        pa.default_isa.cache_clear()
+        assert pa.default_isa() == max(pa.isas()) <= pa.ISA_AVX2
+        monkeypatch.setenv("TIDAL_KERNEL_ISA", "neon")
         pa.default_isa.cache_clear()
         with pytest.raises(ValueError, match="TIDAL_KERNEL_ISA"):
             pa.default_isa()

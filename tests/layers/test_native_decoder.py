@@ -20,7 +20,8 @@ from tidal.worker.kv_cache import allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(not decoder.available(), reason="no C compiler")
 
-ISAS = ["scalar", *(["avx2"] if "avx2" in gguf_gemm.isas() else [])]
+# the gemm's paths; attention and the elementwise kernels run their best at or below each
+ISAS = ["scalar", *(isa for isa in ("avx2", "avx512") if isa in gguf_gemm.isas())]
 
 
 @pytest.fixture

@@ -1,9 +1,11 @@
 """Micro-benchmark of gguf_gemm on the bundled model's shapes, side by side with torch and int8_gemm.
 
 python -m tidal.kernels.bench_gguf [--reps 20] [--threads N] [--clock wall|thread] [--json F]
+                                   [--isas avx512,avx2] [--gguf-only]
 
 Times are the best of --reps calls after two warm-ups (what the machine can do, not how busy it
-is; the median goes to the JSON records). --clock thread times the calling thread's CPU time:
+is; the median goes to the JSON records). --isas times the gguf paths on each ISA named, side by
+side in one run (default: the default path only); --gguf-only leaves out torch and int8_gemm. --clock thread times the calling thread's CPU time:
 with --threads 1 it ignores time slices lost to other processes on a shared machine. GB/s counts the weight bytes each path reads: the packed
 blocks for gguf, float32 for torch, int8 codes + scales for int8_gemm.
 """
@@ -14,7 +16,7 @@ import argparse
 import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -71,14 +73,24 @@ def dequant_matmul(x: torch.Tensor, w: gg.BlockWeight) -> torch.Tensor:
 
 
 def paths(
-    x: torch.Tensor, w: gg.BlockWeight, wf: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+    x: torch.Tensor,
+    w: gg.BlockWeight,
+    baseline: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    isas: Sequence[str] = (),
 ) -> list[tuple[str, Callable[[], object], int]]:
-    """(label, call, weight bytes read) for each path on one shape and batch."""
-    n, k = wf.shape
-    isa = gg.default_isa()
+    """(label, call, weight bytes read) for each path on one shape and batch: the gguf ones on
+    each of `isas` (default: the default path), then torch's and int8_gemm's on `baseline`
+    (float32 weights, int8 codes, scales) unless it is None."""
+    n, k = w.rows, w.cols
     found = [
-        (f"gguf f32 {isa}", functools.partial(gg.gguf_gemm, x, [w], "f32"), w.blocks.numel()),
-        (f"gguf q8 {isa}", functools.partial(gg.gguf_gemm, x, [w], "q8"), w.blocks.numel()),
+        (f"gguf {act} {isa}", functools.partial(gg.gguf_gemm, x, [w], act, isa), w.blocks.numel())
+        for act in gg.ACTS
+        for isa in (isas or [gg.default_isa()])
+    ]
+    if baseline is None:
+        return found
+    wf, codes, scales = baseline
+    found += [
         ("torch f32", functools.partial(torch.nn.functional.linear, x, wf), n * k * 4),
         ("int8_gemm", functools.partial(int8_gemm, x, codes, scales, None), n * k * 9 // 8),
     ]
@@ -93,7 +105,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--clock", choices=("wall", "thread"), default="wall")
     p.add_argument("--json", default=None, help="write every record (best and median) here")
+    p.add_argument("--isas", default="", help="comma-separated gguf paths to time side by side")
+    p.add_argument("--gguf-only", action="store_true", help="leave out torch and int8_gemm")
     args = p.parse_args()
+    isas = [name for name in args.isas.split(",") if name]
+    for name in isas:
+        if name not in gg.isas():
+            p.error(f"--isas: {name!r} does not run here; this machine runs {gg.isas()}")
     if args.clock == "thread" and args.threads != 1:
         p.error("--clock thread needs --threads 1 (other threads' time is not counted)")
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
@@ -103,27 +121,31 @@ def main() -> None:
         f"gguf_gemm isas {gg.isas()}, default {gg.default_isa()}, threads {args.threads}, "
         f"clock {args.clock}"
     )
-    print(f"{'shape':<25}{'M':>3}  {'path':<15}{'us/call':>10}{'GB/s':>8}{'GFLOP/s':>9}")
+    print(f"{'shape':<25}{'M':>3}  {'path':<17}{'us/call':>10}{'GB/s':>8}{'GFLOP/s':>9}")
+    if not gg.available():
+        raise SystemExit("the gguf_gemm library did not build: nothing to measure")
     records = []
     for name, t, n, k in SHAPES:
         w = random_blocks(t, n, k)
-        wf = gg.dequantize_rows(w, 0, n)  # (N, K) float32: the torch baseline's weights
-        if wf is None:
-            raise SystemExit("the gguf_gemm library did not build: nothing to measure")
-        codes = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-        scales = torch.rand(n, k // 32) * 1e-2
+        baseline = None
+        if not args.gguf_only:  # (N, K) float32 for torch, int8 codes + scales for int8_gemm
+            baseline = (
+                gg.dequantize_rows(w, 0, n),
+                torch.randint(-127, 128, (n, k), dtype=torch.int8),
+                torch.rand(n, k // 32) * 1e-2,
+            )
         label = f"{name} {n}x{k} {gg._BLOCKS[t][0]}"
         for m in BATCHES:
             x = torch.randn(m, k)
-            for path, fn, weight_bytes in paths(x, w, wf, codes, scales):
+            for path, fn, weight_bytes in paths(x, w, baseline, isas):
                 best, median = timed(fn, args.reps if path != "dequant+torch" else 3, clock)
                 gbs, gflops = weight_bytes / best / 1e9, 2 * m * n * k / best / 1e9
-                print(f"{label:<25}{m:>3}  {path:<15}{best * 1e6:>10.1f}{gbs:>8.1f}{gflops:>9.1f}")
+                print(f"{label:<25}{m:>3}  {path:<17}{best * 1e6:>10.1f}{gbs:>8.1f}{gflops:>9.1f}")
                 records.append(
                     {"shape": label, "m": m, "path": path, "best_us": best * 1e6,
                      "median_us": median * 1e6, "gbs": gbs, "gflops": gflops}
                 )  # fmt: skip
-        del wf, codes
+        del baseline
     head = {
         r["path"]: round(r["gbs"], 1) for r in records if r["m"] == 1 and "lm_head" in r["shape"]
     }

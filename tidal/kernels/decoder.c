@@ -118,7 +118,7 @@ void tidal_gated_act(const float *gu, int64_t rows, int64_t I, int64_t ldgu, int
         float *o = out + r * ldo;
         int64_t i = 0;
 #if TIDAL_AVX2
-        if (isa == ISA_AVX2) {
+        if (isa >= ISA_AVX2) { /* a higher code (AVX-512) runs AVX2 here */
             for (; i + 8 <= I; i += 8) {
                 __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i);
                 __m256 a = act == ACT_SILU ? silu_avx2(gv) : gelu_tanh_avx2(gv);

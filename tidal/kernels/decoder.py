@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tidal.kernels.build import load
-from tidal.kernels.paged_attention import ISA_NAMES  # the same codes: scalar 0, avx2 1
+from tidal.kernels.isa import capped_isa
 
 ACT_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
 MAX_ROPES = 4
@@ -80,13 +79,7 @@ def available() -> bool:
 def default_isa() -> int:
     """The best path the library has, unless TIDAL_KERNEL_ISA names a lower one."""
     lib = _library()
-    best = 0 if lib is None else int(lib.tidal_decoder_best_isa())
-    name = os.environ.get("TIDAL_KERNEL_ISA", "").strip().lower()
-    if not name:
-        return best
-    if name not in ISA_NAMES:
-        raise ValueError(f"TIDAL_KERNEL_ISA={name!r} is invalid: expected one of {list(ISA_NAMES)}")
-    return min(best, ISA_NAMES[name])
+    return capped_isa(0 if lib is None else int(lib.tidal_decoder_best_isa()))
 
 
 def gated_act(gate_up: torch.Tensor, inter: int, act: str) -> torch.Tensor | None:

@@ -29,7 +29,9 @@
  *   multiply the partial sum of their values' q * x).
  * act Q8: each row of x is quantized once per call, to int8 with a float scale per 32 values for
  *   the runs of 32, per 256 with the sums of every 16 codes (ggml's Q8_K) for the K-quants; dot
- *   products run on integer SIMD (AVX2 maddubs/madd) as in ggml-cpu: slightly different numbers.
+ *   products run on integer SIMD (AVX2 maddubs/madd, AVX-512 VNNI dpbusd/dpwssd) as in ggml-cpu:
+ *   slightly different numbers. The integer sums are exact on every path (no int16 saturation:
+ *   the sign trick bounds maddubs' pairs), so AVX2 and AVX-512 give the same q8 bits.
  *
  * Batch invariance (the contract): every y[m, n] is computed by the same sequence of float
  * operations whatever M is, wherever row m falls in a tile of MT rows, and whatever the thread
@@ -40,9 +42,12 @@
  * Work: ONE OpenMP region per call covers up to MAX_SEG matrices sharing K (fused q/k/v, gate/up,
  * whose types may differ). Chunks of CHUNK weight rows are split statically over the threads; in
  * a chunk, each tile of up to MT rows of x passes once over each weight row while it is in L1.
- * Kernels: one function per (type, act, ISA), picked at run time by `isa`: ISA_AVX2 (compiled
- * where the build has AVX2+FMA+F16C) or ISA_SCALAR (plain C, the same math summed in another
- * order). An AVX-512/VNNI set is one more table in pick(). */
+ * Kernels: one function per (type, act, ISA), picked at run time by `isa`: ISA_AVX512 (compiled
+ * where the build has AVX-512 F/BW/VL + VNNI besides AVX2's set), ISA_AVX2 (AVX2+FMA+F16C) or
+ * ISA_SCALAR (plain C, the same math summed in another order). Each is a table in pick(); an
+ * entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up in a
+ * table of their block's float weights (one permute per 16 codes, see b32_weights512), its q8 is
+ * AVX2's with VNNI; the activations' quantization and the dequantization are AVX2's on it. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -51,6 +56,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
+#endif
+#if defined(HAVE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) \
+    && defined(__AVX512VNNI__)
+#define HAVE_AVX512 1
 #endif
 
 enum {
@@ -62,7 +71,7 @@ enum {
 static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                         1,    13,   25,  38,  53,  69,  89,  113};
 enum { ACT_F32 = 0, ACT_Q8 = 1 };
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 enum { ERR_TYPE = -1, ERR_SHAPE = -2, ERR_ISA = -3, ERR_NOMEM = -4 };
 
 #define MT 8             /* rows of x per pass over a weight row */
@@ -110,6 +119,14 @@ static inline float xs_scale(const uint8_t *sb, int j, float d) {
 
 int tidal_gguf_has_avx2(void) {
 #ifdef HAVE_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int tidal_gguf_has_avx512(void) {
+#ifdef HAVE_AVX512
     return 1;
 #else
     return 0;
@@ -358,7 +375,8 @@ ALWAYS __m256i b32_decode_avx2(int type, const uint8_t *w, int64_t g, float *d) 
 
 static inline __m256 cvt16_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(v)); }
 
-ALWAYS void k_decode_avx2(int type, const uint8_t *b, kblock *k, int floats) {
+/* a super-block's scales into k (and their float products with d, dmin when asked) */
+ALWAYS void k_scales_avx2(int type, const uint8_t *b, kblock *k, int floats) {
     __m256i sc, mn;
     if (type == T_Q6_K) {
         sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(b + 192)));
@@ -383,6 +401,10 @@ ALWAYS void k_decode_avx2(int type, const uint8_t *b, kblock *k, int floats) {
         _mm256_store_ps(k->fm, _mm256_mul_ps(dm, cvt16_ps(_mm256_castsi256_si128(mn))));
         _mm256_store_ps(k->fm + 8, _mm256_mul_ps(dm, cvt16_ps(mn_hi)));
     }
+}
+
+ALWAYS void k_decode_avx2(int type, const uint8_t *b, kblock *k, int floats) {
+    k_scales_avx2(type, b, k, floats);
     const __m256i lo4 = _mm256_set1_epi8(0x0F), hi2 = _mm256_set1_epi8(0x30);
     __m256i *q = (__m256i *)k->q; /* the first member: callers align the kblock */
 #define OR_AND(a, ma, b, mb) _mm256_or_si256(_mm256_and_si256(a, ma), _mm256_and_si256(b, mb))
@@ -628,6 +650,284 @@ static void quant_x_avx2(const float *x, int64_t K, int group, uint8_t *dst) {
 }
 #endif /* HAVE_AVX2 */
 
+#ifdef HAVE_AVX512
+/* ---- AVX-512 (F, BW, VL) + VNNI, on top of the AVX2 helpers ----
+ * Zen 4 runs a 512-bit op as two 256-bit halves: the gain is in fewer instructions, not wider
+ * FLOPs. f32: the 4- and 5-bit codes index a table of their block's 16 (32) float weights, one
+ * permute per 16 codes where AVX2 widens, converts and scales; q8: VNNI's dpbusd / dpwssd stand
+ * for AVX2's maddubs + madd (+ add), on the same exact integers, so q8 equals AVX2 bit for bit. */
+
+static inline float hsum16(__m512 v) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    return hsum8(_mm256_add_ps(_mm512_castps512_ps256(v), hi));
+}
+
+static inline __m512 i8x16_ps(__m128i v) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)); }
+static inline __m512i u8x16_epi32(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline __m512 iota16(float from) {
+    return _mm512_add_ps(_mm512_set1_ps(from), _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                               11, 12, 13, 14, 15));
+}
+/* the int32 lanes of ix with bit 4 taken from b4 (vpternlog: b4 where the mask 0x10 is set) */
+static inline __m512i with_bit4(__m512i ix, __m512i b4) {
+    return _mm512_ternarylogic_epi32(ix, b4, _mm512_set1_epi32(0x10), 0xD8);
+}
+
+/* Weight lookup (f32). A byte of two nibbles widened to an int32 lane indexes the table with
+ * its low nibble as it is (vpermps reads bits 0-3, vpermt2ps bits 0-4) and with its high one
+ * after a shift: lanes stay in code order, so x is read as it lies. The 32-blocks' tables hold
+ * their dequantized values bit for bit (d*(i-8), d*K[i], d*(i-16)); the K-quants' hold
+ * fmsub(i, d*sc, dmin*m), the one rounding AVX2's f32 decode makes too. */
+
+/* run g's 32 weights as floats: w[0..15], w[16..31]. Q8_0's 256 codes fit no table: widened
+ * from memory, converted and times d (AVX2's decode-then-scale order, 16 lanes wide, measured
+ * ~3% faster for a lone row but up to ~10% slower from 4 rows up) */
+ALWAYS void b32_weights512(int type, const uint8_t *w, int64_t g, __m512 *w0, __m512 *w1) {
+    const uint8_t *b = w + g * block_bytes(type), *qs = b + 2;
+    if (type == T_Q8_0) {
+        __m512 dv = _mm512_set1_ps(half_f16c(b));
+        *w0 = _mm512_mul_ps(dv, i8x16_ps(_mm_loadu_si128((const __m128i *)qs)));
+        *w1 = _mm512_mul_ps(dv, i8x16_ps(_mm_loadu_si128((const __m128i *)(qs + 16))));
+        return;
+    }
+    float d;
+    if (type == T_IQ4_XS) {
+        const uint8_t *sb = w + (g >> 3) * 136;
+        d = xs_scale(sb, (int)(g & 7), half_f16c(sb));
+        qs = sb + 8 + 16 * (g & 7);
+    } else {
+        d = half_f16c(b);
+    }
+    __m512 dv = _mm512_set1_ps(d);
+    __m512i v = u8x16_epi32(type == T_Q5_0 ? b + 6 : qs), v4 = _mm512_srli_epi32(v, 4);
+    if (type == T_Q5_0) { /* qh bit i is bit 4 of code i: lane i's index bit 4 */
+        uint32_t qh;
+        memcpy(&qh, b + 2, 4);
+        __m512 lo = _mm512_mul_ps(dv, iota16(-16.0f)), hi = _mm512_mul_ps(dv, iota16(0.0f));
+        const __m512i bit4 = _mm512_set1_epi32(0x10);
+        __m512i c0 = _mm512_andnot_si512(bit4, v); /* v4 has no bit 4 */
+        __m512i i0 = _mm512_mask_or_epi32(c0, (__mmask16)qh, c0, bit4);
+        __m512i i1 = _mm512_mask_or_epi32(v4, (__mmask16)(qh >> 16), v4, bit4);
+        *w0 = _mm512_permutex2var_ps(lo, i0, hi);
+        *w1 = _mm512_permutex2var_ps(lo, i1, hi);
+        return;
+    }
+    __m512 t;
+    if (type == T_Q4_0) {
+        t = _mm512_mul_ps(dv, iota16(-8.0f));
+    } else {
+        t = _mm512_mul_ps(dv, i8x16_ps(_mm_loadu_si128((const __m128i *)IQ4NL_VALUES)));
+    }
+    *w0 = _mm512_permutexvar_ps(v, t);
+    *w1 = _mm512_permutexvar_ps(v4, t);
+}
+
+/* run b into the rows' accumulators: one FMA per 16 values and row, two chains a row (one
+ * would leave a lone row waiting on the FMA latency) */
+ALWAYS void b32_f32_step512(int type, const uint8_t *w, const uint8_t *x, int64_t ldx, int64_t b,
+                            int mt, __m512 *acc) {
+    __m512 w0, w1;
+    b32_weights512(type, w, b, &w0, &w1);
+    EACH_ROW(i) {
+        const float *xr = (const float *)(x + i * ldx) + 32 * b;
+        acc[2 * i] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[2 * i]);
+        acc[2 * i + 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[2 * i + 1]);
+    }
+}
+
+ALWAYS void b32_f32_avx512(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,
+                           int mt, float *out) {
+    __m512 acc[2 * MT];
+    EACH_ROW(i) acc[2 * i] = acc[2 * i + 1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb * runs32(type); b++) b32_f32_step512(type, w, x, ldx, b, mt, acc);
+    EACH_ROW(i) out[i] = hsum16(_mm512_add_ps(acc[2 * i], acc[2 * i + 1]));
+}
+
+/* run g's 32 signed codes as b32_decode_avx2 gives them; Q5_0's fifth bits become a byte mask
+ * (one masked subtract where AVX2 spreads the bits in four ops) */
+ALWAYS __m256i b32_decode_avx512(int type, const uint8_t *w, int64_t g, float *d) {
+    if (type != T_Q5_0) return b32_decode_avx2(type, w, g, d);
+    const uint8_t *b = w + g * block_bytes(type);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    *d = half_f16c(b);
+    __m256i nib = nibbles(b + 6); /* byte i: q[i]'s low nibble; q - 16 where bit 4 is clear */
+    return _mm256_mask_sub_epi8(nib, (__mmask32)~qh, nib, _mm256_set1_epi8(16));
+}
+
+/* b32_q8_step with one VNNI dpbusd for AVX2's maddubs + madd: the same exact int32 lanes (the
+ * sign trick keeps maddubs from saturating there), then the same float operations */
+ALWAYS void b32_q8_step512(int type, const uint8_t *w, const uint8_t *x, int64_t ldx, int64_t b,
+                           int mt, __m256 *acc) {
+    float dw;
+    __m256i q = b32_decode_avx512(type, w, b, &dw);
+    __m256i aq = _mm256_sign_epi8(q, q); /* dpbusd too wants an unsigned side: |w| * (x as w) */
+    __m256 dwv = _mm256_set1_ps(dw);
+    EACH_ROW(i) {
+        const uint8_t *xb = x + i * ldx + b * X32_BYTES;
+        __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4)), q);
+        __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, sx);
+        __m256 d = _mm256_mul_ps(dwv, _mm256_broadcast_ss((const float *)xb));
+        acc[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[i]);
+    }
+}
+B32_BODY(b32_q8_avx512, b32_q8_step512)
+
+/* The 64 weights 64c..64c+63 of super-block b (sub-blocks 2c, 2c+1) as four groups of 16.
+ * Q4_K/Q5_K: the 32 bytes qs[32c..] hold sub-block 2c's codes (low nibbles) and 2c+1's (high),
+ * looked up in fmsub(i, d*sc, dmin*m) for i < 16 (32: Q5_K's bit 4 from qh, bit j of byte i for
+ * code i of sub-block j). Q6_K (6-bit codes, a scale per 16): k->q holds q - 32, widened and
+ * converted, times d*sc. */
+ALWAYS void k_weights512(int type, const uint8_t *b, const kblock *k, int c, __m512 wv[4]) {
+    if (type == T_Q6_K) {
+        for (int t = 0; t < 4; t++) {
+            __m128i q = _mm_load_si128((const __m128i *)(k->q + 64 * c + 16 * t));
+            wv[t] = _mm512_mul_ps(i8x16_ps(q), _mm512_set1_ps(k->fs[4 * c + t]));
+        }
+        return;
+    }
+    const uint8_t *qs = b + (type == T_Q5_K ? 48 : 16) + 32 * c;
+    __m512 ta[2], tb[2]; /* sub-block 2c's table (codes 0-15, 16-31), 2c+1's */
+    for (int h = 0; h < (type == T_Q5_K ? 2 : 1); h++) {
+        __m512 i = iota16(16.0f * (float)h);
+        ta[h] = _mm512_fmsub_ps(i, _mm512_set1_ps(k->fs[4 * c]), _mm512_set1_ps(k->fm[4 * c]));
+        tb[h] = _mm512_fmsub_ps(i, _mm512_set1_ps(k->fs[4 * c + 2]),
+                                _mm512_set1_ps(k->fm[4 * c + 2]));
+    }
+    for (int h = 0; h < 2; h++) { /* codes 16h..16h+15 of both sub-blocks */
+        __m512i v = u8x16_epi32(qs + 16 * h), v4 = _mm512_srli_epi32(v, 4);
+        if (type == T_Q4_K) {
+            wv[h] = _mm512_permutexvar_ps(v, ta[0]);
+            wv[2 + h] = _mm512_permutexvar_ps(v4, tb[0]);
+        } else {
+            __m512i qh = u8x16_epi32(b + 16 + 16 * h); /* bit j: sub-block j's bit 4 */
+            __m512i ha = 2 * c < 4 ? _mm512_slli_epi32(qh, 4 - 2 * c)
+                                   : _mm512_srli_epi32(qh, 2 * c - 4);
+            __m512i hb = 2 * c + 1 < 4 ? _mm512_slli_epi32(qh, 3 - 2 * c)
+                                       : _mm512_srli_epi32(qh, 2 * c - 3);
+            wv[h] = _mm512_permutex2var_ps(ta[0], with_bit4(v, ha), ta[1]);
+            wv[2 + h] = _mm512_permutex2var_ps(tb[0], with_bit4(v4, hb), tb[1]);
+        }
+    }
+}
+
+/* k_f32_rows with 16-wide vectors and decoded weights: each row costs one FMA per 16 values,
+ * group g (16 values, one scale) feeding chain g % 4, which keeps a lone row (M = 1) off the
+ * FMA latency; the chains are added in a fixed order into the row's accumulator. */
+ALWAYS void k_f32_rows512(int type, const uint8_t *blk, const kblock *k, float *wf, int wmode,
+                          const uint8_t *x, int64_t ldx, int64_t b, int R, __m512 *acc) {
+    __m512 c[K_ROWS][4];
+    _Pragma("GCC unroll 4") for (int q = 0; q < 4; q++) {
+        __m512 wv[4];
+        if (wmode == W_LOAD) {
+            for (int t = 0; t < 4; t++) wv[t] = _mm512_load_ps(wf + 64 * q + 16 * t);
+        } else {
+            k_weights512(type, blk, k, q, wv);
+            if (wmode == W_STORE)
+                for (int t = 0; t < 4; t++) _mm512_store_ps(wf + 64 * q + 16 * t, wv[t]);
+        }
+        for (int r = 0; r < R; r++) {
+            const float *xr = (const float *)(x + r * ldx) + 256 * b + 64 * q;
+            for (int t = 0; t < 4; t++) {
+                __m512 xv = _mm512_loadu_ps(xr + 16 * t);
+                c[r][t] = q == 0 ? _mm512_mul_ps(wv[t], xv) : _mm512_fmadd_ps(wv[t], xv, c[r][t]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        __m512 s = _mm512_add_ps(_mm512_add_ps(c[r][0], c[r][1]), _mm512_add_ps(c[r][2], c[r][3]));
+        acc[r] = _mm512_add_ps(acc[r], s);
+    }
+}
+
+ALWAYS void k_f32_avx512(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,
+                         int mt, float *out) {
+    _Alignas(64) kblock k;
+    _Alignas(64) float wf[256];
+    __m512 acc[MT];
+    EACH_ROW(i) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * block_bytes(type);
+        if (type == T_Q6_K) {
+            k_decode_avx2(type, blk, &k, 1);
+            for (int i = 0; i < 8; i++) {
+                __m256i *q = (__m256i *)k.q + i;
+                _mm256_store_si256(q, _mm256_sub_epi8(_mm256_load_si256(q), _mm256_set1_epi8(32)));
+            }
+        } else {
+            k_scales_avx2(type, blk, &k, 1); /* the codes are read from the block itself */
+        }
+        int r = 0;
+        if (mt > K_ROWS) {
+            k_f32_rows512(type, blk, &k, wf, W_STORE, x, ldx, b, K_ROWS, acc);
+            r = K_ROWS;
+        }
+        int wm = r ? W_LOAD : W_CONVERT;
+        for (; r + K_ROWS <= mt; r += K_ROWS)
+            k_f32_rows512(type, blk, &k, wf, wm, x + r * ldx, ldx, b, K_ROWS, acc + r);
+        if (mt - r == 3) k_f32_rows512(type, blk, &k, wf, wm, x + r * ldx, ldx, b, 3, acc + r);
+        if (mt - r == 2) k_f32_rows512(type, blk, &k, wf, wm, x + r * ldx, ldx, b, 2, acc + r);
+        if (mt - r == 1) k_f32_rows512(type, blk, &k, wf, wm, x + r * ldx, ldx, b, 1, acc + r);
+    }
+    EACH_ROW(i) out[i] = hsum16(acc[i]);
+}
+
+/* int16 lane l of the 64 codes 64c..64c+63 after maddubs covers codes 2l, 2l+1: group 4c + l/8 */
+static const int16_t K_SCALE_LANES[4][32] __attribute__((aligned(64))) = {
+#define LANES(c)                                                                               \
+    {4 * c,     4 * c,     4 * c,     4 * c,     4 * c,     4 * c,     4 * c,     4 * c,       \
+     4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1,   \
+     4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2,   \
+     4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3}
+    LANES(0), LANES(1), LANES(2), LANES(3)
+#undef LANES
+};
+
+/* k_q8_avx2 on 64 codes a step, VNNI's dpwssd fusing the scale's madd with the add. Int32 lane j
+ * of a 512-bit sum holds codes 64c + 4j..4j+3; its two halves added give lane j the codes
+ * 32c + 4j..4j+3 over all c, AVX2's lane j: the same exact integers, so the same floats. */
+ALWAYS void k_q8_avx512(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,
+                        int mt, float *out) {
+    _Alignas(64) kblock k;
+    __m256 acc[MT];
+    EACH_ROW(i) acc[i] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        k_decode_avx2(type, w + b * block_bytes(type), &k, 0);
+        __m512i sc16 = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)k.sc));
+        __m512i isum[MT]; /* exact: |sum| < 2^31 for 6-bit codes, 8-bit scales and x */
+        EACH_ROW(i) isum[i] = _mm512_setzero_si512();
+        for (int c = 0; c < 4; c++) {
+            /* two 256-bit loads: each reads what one store of the decode wrote (forwarded) */
+            __m512i q = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(k.q + 64 * c))),
+                _mm256_load_si256((const __m256i *)(k.q + 64 * c + 32)), 1);
+            __m512i sc = _mm512_permutexvar_epi16(
+                _mm512_load_si512((const __m512i *)K_SCALE_LANES[c]), sc16);
+            EACH_ROW(i) {
+                const uint8_t *xq = x + i * ldx + b * XK_BYTES + 36 + 64 * c;
+                __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const __m512i *)xq));
+                isum[i] = _mm512_dpwssd_epi32(isum[i], p, sc);
+            }
+        }
+        __m256i mn = _mm256_load_si256((const __m256i *)k.mn);
+        EACH_ROW(i) {
+            const uint8_t *xb = x + i * ldx + b * XK_BYTES;
+            float dx;
+            memcpy(&dx, xb, 4);
+            __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(isum[i]),
+                                         _mm512_extracti64x4_epi64(isum[i], 1));
+            __m256i smin = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + 4)));
+            __m256 sd = _mm256_set1_ps(k.d * dx), sm = _mm256_set1_ps(k.dmin * dx);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sd, acc[i]);
+            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), sm, acc[i]);
+        }
+    }
+    EACH_ROW(i) out[i] = hsum8(acc[i]);
+}
+#endif /* HAVE_AVX512 */
+
 /* ---- one function per (type, act, ISA); constant tile heights let the row loops unroll ---- */
 #define TILE(name, body, type)                                                                \
     static void name(const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx, int mt,      \
@@ -667,8 +967,16 @@ TYPES(f32, avx2, TILE, b32_f32_avx2, k_f32_avx2)
 TYPES(q8, avx2, TILE, b32_q8_avx2, k_q8_avx2)
 static const tile_fn AVX2[2][N_TYPES] = {{TABLE(f32, avx2)}, {TABLE(q8, avx2)}};
 #endif
+#ifdef HAVE_AVX512
+TYPES(f32, avx512, TILE, b32_f32_avx512, k_f32_avx512)
+TYPES(q8, avx512, TILE, b32_q8_avx512, k_q8_avx512)
+static const tile_fn AVX512[2][N_TYPES] = {{TABLE(f32, avx512)}, {TABLE(q8, avx512)}};
+#endif
 
 static tile_fn pick(int isa, int act, int type) {
+#ifdef HAVE_AVX512
+    if (isa == ISA_AVX512) return AVX512[act][type];
+#endif
 #ifdef HAVE_AVX2
     if (isa == ISA_AVX2) return AVX2[act][type];
 #endif
@@ -678,7 +986,7 @@ static tile_fn pick(int isa, int act, int type) {
 static void quant_x(int isa, const float *x, int64_t K, int group, uint8_t *dst) {
     (void)isa;
 #ifdef HAVE_AVX2
-    if (isa == ISA_AVX2) { quant_x_avx2(x, K, group, dst); return; }
+    if (isa == ISA_AVX2 || isa == ISA_AVX512) { quant_x_avx2(x, K, group, dst); return; }
 #endif
     quant_x_scalar(x, K, group, dst);
 }
@@ -837,7 +1145,9 @@ int tidal_gguf_dequantize(const uint8_t *w, int64_t type, int64_t K, const int64
     int be = tidal_gguf_block_elems((int)type);
     if (be == 0) return ERR_TYPE;
     if (K <= 0 || K % be) return ERR_SHAPE;
-    if (isa != ISA_SCALAR && !(isa == ISA_AVX2 && tidal_gguf_has_avx2())) return ERR_ISA;
+    if (isa != ISA_SCALAR && !(isa == ISA_AVX2 && tidal_gguf_has_avx2())
+        && !(isa == ISA_AVX512 && tidal_gguf_has_avx512()))
+        return ERR_ISA;
     int64_t nb = K / be, rb = nb * block_bytes((int)type);
     /* a few rows (an embedding lookup) are not worth waking the threads */
 #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? (int)nthreads : 1) \
@@ -845,7 +1155,7 @@ int tidal_gguf_dequantize(const uint8_t *w, int64_t type, int64_t K, const int64
     for (int64_t i = 0; i < count; i++) {
         const uint8_t *row = w + (ids ? ids[i] : start + i) * rb;
 #ifdef HAVE_AVX2
-        if (isa == ISA_AVX2) { dequant_row_avx2((int)type, row, nb, out + i * ldo); continue; }
+        if (isa != ISA_SCALAR) { dequant_row_avx2((int)type, row, nb, out + i * ldo); continue; }
 #endif
         dequant_row_scalar((int)type, row, nb, out + i * ldo);
     }

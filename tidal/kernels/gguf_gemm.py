@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from tidal.kernels.build import cpu_flags, load
+from tidal.kernels.isa import ISA_CPU_FLAGS, ISA_NAMES, requested_isa
 
 # ggml type numbers as in tidal.quant.gguf_types.GGMLType (an IntEnum: its members work here;
 # kernels/ sits below loader/ in the layering, hence plain ints): name, elements, bytes per block.
@@ -32,7 +32,7 @@ SUPPORTED_TYPES: frozenset[int] = frozenset(_BLOCKS)
 MAX_SEGMENTS = 4
 ACTS = ("f32", "q8")
 _ACT_CODES = {"f32": 0, "q8": 1}
-_ISA_CODES = {"scalar": 0, "avx2": 1}
+_ISA_CODES = ISA_NAMES  # scalar 0, avx2 1, avx512 2 (AVX-512 F/BW/VL with VNNI)
 _ERRORS = {-1: "unsupported ggml type", -2: "bad shape", -3: "ISA not built", -4: "no memory"}
 
 # NOTE: every argument crosses as c_void_p (the C side takes pointers and int64_t): ctypes
@@ -164,6 +164,7 @@ def _library() -> ctypes.CDLL | None:
     # blocks, ggml type, K, ids or NULL, start, count, out, ldo, isa, threads
     lib.tidal_gguf_dequantize.argtypes = [_word] * 10
     lib.tidal_gguf_has_avx2.restype = ctypes.c_int
+    lib.tidal_gguf_has_avx512.restype = ctypes.c_int
     return lib
 
 
@@ -177,20 +178,20 @@ def isas() -> list[str]:
     lib = _library()
     if lib is None:
         return []
-    found = []
-    if lib.tidal_gguf_has_avx2() and {"avx2", "fma", "f16c"} <= cpu_flags():
-        found.append("avx2")
-    return [*found, "scalar"]
+    built = {"avx512": lib.tidal_gguf_has_avx512(), "avx2": lib.tidal_gguf_has_avx2()}
+    flags = cpu_flags()
+    return [*(name for name, ok in built.items() if ok and ISA_CPU_FLAGS[name] <= flags), "scalar"]
 
 
 @functools.cache
 def default_isa() -> str:
-    """The best path, lowered by env TIDAL_KERNEL_ISA (read once per process)."""
+    """The best path, lowered by env TIDAL_KERNEL_ISA (read once per process): the best one
+    at or below the path it names (=avx2 on an AVX-512 machine runs AVX2, =scalar plain C)."""
     paths = isas() or ["scalar"]
-    wanted = os.environ.get("TIDAL_KERNEL_ISA", "").strip().lower()
-    if wanted and wanted not in _ISA_CODES:
-        raise ValueError(f"TIDAL_KERNEL_ISA={wanted!r}; accepted: {', '.join(_ISA_CODES)}")
-    return wanted if wanted in paths else paths[0]
+    ceiling = requested_isa()
+    if ceiling is None:
+        return paths[0]
+    return next(name for name in paths if _ISA_CODES[name] <= ceiling)
 
 
 @functools.cache

@@ -760,6 +760,7 @@ int tidal_paged_attention(const void *packed) {
                a.v_scales, a.slot_mapping, a.block_tables, a.seqs, query_lens, context_lens,
                S, T, H, KVH, D, a.block_size, a.table_width, window, (float)a.scale,
                (float)a.softcap, (int)a.kv_type, (int)a.isa, 0, 0};
+    if (P.isa > ISA_AVX2) P.isa = ISA_AVX2; /* a higher code (AVX-512) runs the best path here */
     if (!TIDAL_AVX2 || D % 8) P.isa = ISA_SCALAR;
     P.G = (int)(H / KVH);
     P.QT = P.G >= ROWS ? 1 : ROWS / P.G;

@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import struct
 
 import torch
 
 from tidal.kernels.build import load
+from tidal.kernels.isa import ISA_AVX2, ISA_NAMES, ISA_SCALAR, capped_isa  # noqa: F401
 
 # Page formats the kernel reads (its kv_type argument).
 KV_F32, KV_BF16, KV_INT8, KV_FP8 = 0, 1, 2, 3
-# Code paths (its isa argument); TIDAL_KERNEL_ISA=scalar lowers the default to the portable one.
-ISA_SCALAR, ISA_AVX2 = 0, 1
-ISA_NAMES = {"scalar": ISA_SCALAR, "avx2": ISA_AVX2}
+# Code paths (its isa argument; the codes and names above, re-exported here): scalar and AVX2.
+# TIDAL_KERNEL_ISA lowers the default (=scalar: the portable one; =avx512 leaves AVX2, its best).
 
 # The kernel's arguments as one block of 8-byte fields (args_t in paged_attention.c), packed in
 # one C call: ctypes converts a single pointer instead of 27 arguments (~4 us saved per call).
@@ -68,13 +67,7 @@ def isas() -> tuple[int, ...]:
 @functools.cache
 def default_isa() -> int:
     """The best path the library was built with, unless TIDAL_KERNEL_ISA names a lower one."""
-    best = max(isas(), default=ISA_SCALAR)
-    name = os.environ.get("TIDAL_KERNEL_ISA", "").strip().lower()
-    if not name:
-        return best
-    if name not in ISA_NAMES:
-        raise ValueError(f"TIDAL_KERNEL_ISA={name!r} is invalid: expected one of {list(ISA_NAMES)}")
-    return min(best, ISA_NAMES[name])
+    return capped_isa(max(isas(), default=ISA_SCALAR))
 
 
 def _token_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:

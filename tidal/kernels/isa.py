@@ -1,0 +1,34 @@
+"""The kernels' code paths (instruction sets): one name and code each, and the TIDAL_KERNEL_ISA ceiling."""
+
+from __future__ import annotations
+
+import os
+
+# The `isa` argument every C kernel takes; a higher code needs everything a lower one does.
+# A kernel without a path for some code runs its best one below it (paged attention and the
+# decoder's elementwise helpers stop at AVX2; the GGUF matmuls have AVX-512 with VNNI).
+ISA_SCALAR, ISA_AVX2, ISA_AVX512 = 0, 1, 2
+ISA_NAMES: dict[str, int] = {"scalar": ISA_SCALAR, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
+# /proc/cpuinfo flags (tidal.kernels.build.cpu_flags) a path needs to run
+ISA_CPU_FLAGS: dict[str, frozenset[str]] = {
+    "scalar": frozenset(),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+}
+
+
+def requested_isa() -> int | None:
+    """The code of the path env TIDAL_KERNEL_ISA names, a ceiling on every kernel's default;
+    None when unset. Raises ValueError for a name not in ISA_NAMES."""
+    name = os.environ.get("TIDAL_KERNEL_ISA", "").strip().lower()
+    if not name:
+        return None
+    if name not in ISA_NAMES:
+        raise ValueError(f"TIDAL_KERNEL_ISA={name!r} is invalid: expected one of {list(ISA_NAMES)}")
+    return ISA_NAMES[name]
+
+
+def capped_isa(best: int) -> int:
+    """`best` (a kernel's best built path), lowered to TIDAL_KERNEL_ISA's ceiling if set."""
+    ceiling = requested_isa()
+    return best if ceiling is None else min(best, ceiling)
