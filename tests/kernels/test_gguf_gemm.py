@@ -187,6 +187,20 @@ def test_block_table_matches_the_loader() -> None:
     assert GGMLType.Q8_0 in gg.SUPPORTED_TYPES
 
 
+@pytest.mark.parametrize("t", [Q.Q5_0, Q.Q4_K])
+def test_dequantize_into_rows_of_a_wider_buffer(t: Q) -> None:
+    w = weight(t, 9, _k_of(t))
+    wide = torch.full((12, w.cols + 7), -1.0)
+    view = wide[2:11, 3 : 3 + w.cols]
+    assert gg.dequantize_rows(w, 0, w.rows, out=view) is view
+    assert np.array_equal(view.numpy(), dequantized(w))
+    assert (wide[:2] == -1).all() and (wide[:, :3] == -1).all()  # nothing outside the view
+    with pytest.raises(ValueError, match="out must be"):
+        gg.dequantize_rows(w, 0, 4, out=torch.empty(5, w.cols))
+    with pytest.raises(ValueError, match="out must be"):
+        gg.dequantize_rows(w, 0, 4, out=torch.empty(w.cols, 4).t())
+
+
 def test_isas_and_the_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ISAS[-1] == "scalar" and gg.default_isa() == ISAS[0]
     assert ISAS == sorted(ISAS, key=gg._ISA_CODES.get, reverse=True)  # best first

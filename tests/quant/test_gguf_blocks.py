@@ -125,15 +125,20 @@ def test_kernel_and_tiled_paths_agree(tiny_gguf: Path, rows: int) -> None:
         torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("whole", [True, False], ids=["whole-matrix", "tiles"])
 @pytest.mark.parametrize("gemm", gguf_blocks.CPU_GEMMS)
 def test_prefill_gemms_agree_with_float64(
-    tiny_gguf: Path, gemm: str, monkeypatch: pytest.MonkeyPatch
+    tiny_gguf: Path, gemm: str, whole: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Either float32 GEMM of the prefill tiles (oneDNN, MKL) gives the float64 product of the
-    dequantized weights to float32 rounding, also for a strided x (a view of a wider buffer)."""
+    dequantized weights to float32 rounding, also for a strided x (a view of a wider buffer);
+    with oneDNN, a matrix decoded whole into one buffer and one decoded in row tiles alike."""
     if gemm == "onednn" and gguf_blocks._onednn_linear is None:
         pytest.skip("this torch build has no oneDNN linear")
     monkeypatch.setenv("TIDAL_CPU_GEMM", gemm)
+    if not whole:
+        monkeypatch.setattr(gguf_blocks, "WHOLE_VALUES", 0)
+        monkeypatch.setattr(gguf_blocks, "TILE_VALUES", 64 * 32)  # several tiles per part
     gguf_blocks.cpu_gemm.cache_clear()
     try:
         assert gguf_blocks.cpu_gemm() == gemm

@@ -287,17 +287,33 @@ def gguf_gemm(
 
 
 def _dequantize(
-    weight: BlockWeight, ids: torch.Tensor | None, start: int, count: int, isa: str | None
+    weight: BlockWeight,
+    ids: torch.Tensor | None,
+    start: int,
+    count: int,
+    isa: str | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     lib = _library()
     if lib is None:
         return None
-    out = torch.empty((count, weight.cols), dtype=torch.float32)
+    if out is None:
+        out = torch.empty((count, weight.cols), dtype=torch.float32)
+    elif (
+        out.dtype is not torch.float32
+        or not out.is_cpu
+        or tuple(out.shape) != (count, weight.cols)
+        or out.stride(1) != 1
+    ):
+        raise ValueError(
+            f"out must be CPU float32 ({count}, {weight.cols}) with unit inner stride; got "
+            f"{out.dtype} {tuple(out.shape)} strides {out.stride()} on {out.device}"
+        )
     if count == 0:
         return out
     call = (
         weight.blocks.data_ptr(), int(weight.ggml_type), weight.cols,
-        None if ids is None else ids.data_ptr(), start, count, out.data_ptr(), weight.cols,
+        None if ids is None else ids.data_ptr(), start, count, out.data_ptr(), out.stride(0),
         _isa_code(isa), torch.get_num_threads(),
     )  # fmt: skip
     if _profiling():
@@ -310,13 +326,20 @@ def _dequantize(
 
 
 def dequantize_rows(
-    weight: BlockWeight, start: int, stop: int, isa: str | None = None
+    weight: BlockWeight,
+    start: int,
+    stop: int,
+    isa: str | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Rows [start, stop) of the weight as (stop - start, cols) float32, bit-exact with gguf-py's
-    dequantize; None without the library (the caller decodes in torch)."""
+    dequantize; written into `out` if given (CPU float32 of that shape with unit inner stride,
+    e.g. rows of a wider buffer) and returned. None without the library (the caller decodes in
+    torch)."""
     if not 0 <= start <= stop <= weight.rows:
         raise ValueError(f"rows [{start}, {stop}) outside 0..{weight.rows}")
-    return _dequantize(weight, None, start, stop - start, isa)
+    return _dequantize(weight, None, start, stop - start, isa, out)
 
 
 def dequantize_gather(
