@@ -132,9 +132,7 @@ class GGUFLinear(nn.Module):
     def _tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """Decode row tiles of W to float32 and multiply them with a float32 GEMM library
         (cpu_gemm(): oneDNN or MKL on CPU), fastest for prefill-sized batches; the float copy
-        stays a few MiB."""
-        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        step = max(1, TILE_VALUES // self.in_features)
+        stays a few MiB. With oneDNN a matrix of up to WHOLE_VALUES is one tile and one call."""
         onednn = x.is_cpu and cpu_gemm() == "onednn"
         if onednn:
             x = x.contiguous()
@@ -145,6 +143,8 @@ class GGUFLinear(nn.Module):
                     decode_rows(part, 0, part.rows, out=w[row : row + part.rows])
                     row += part.rows
                 return _onednn_linear(x, w, None, "none", [], "")
+        out = torch.empty(x.shape[0], self.out_features, dtype=torch.float32, device=x.device)
+        step = max(1, TILE_VALUES // self.in_features)
         col = 0
         for part in self.parts:
             for a in range(0, part.rows, step):
