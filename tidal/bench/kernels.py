@@ -232,29 +232,32 @@ def split_events(events: Iterable[Any]) -> tuple[dict[str, float], float]:
 
 
 def _profiled(llm, prompt: list[int], max_tokens: int) -> tuple[float, dict[str, float], float]:
+    """(decode window: first token -> last token, seconds; native region totals; aten total)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(max_tokens))
-        wall_s = time.perf_counter() - start
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(max_tokens))[0]
+    m = out.metrics
+    window_s = (m.last_token_time_s or m.finished_time_s) - m.first_token_time_s
     native_us, aten_us = split_events(prof.events())
-    return wall_s, {k: v / 1e6 for k, v in native_us.items()}, aten_us / 1e6
+    return window_s, {k: v / 1e6 for k, v in native_us.items()}, aten_us / 1e6
 
 
 def profile_decode(llm, prompts: _Prompts, cfg: KernelsConfig, num_layers: int) -> StepProfile:
-    """The generate() of 1 + steps tokens minus the generate() of 1 token (a prefill of the same
-    length), per decode step. The profiler's own cost per op lands in 'other'."""
+    """Per decode step: the wall time of the steps of a generate() of 1 + steps tokens (its
+    first token to its last, so no prefill), and its profiled regions minus those of a
+    generate() of 1 token (a prefill of the same length). The profiler's own cost per op lands
+    in 'other'."""
     steps = cfg.profile_steps
-    wall_1, native_1, aten_1 = _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], 1)
+    _, native_1, aten_1 = _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], 1)
     wall_n, native_n, aten_n = _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], 1 + steps)
     by_name = {k: max(0.0, (native_n.get(k, 0.0) - native_1.get(k, 0.0)) / steps) for k in native_n}
     ranked = tuple(sorted(by_name.items(), key=lambda kv: -kv[1]))
     # Differences of two timed runs: where a step's share of a region or of aten is below the
     # runs' noise (a tiny model's microsecond kernels) it can come out negative; that reads as 0.
     aten_s = max(0.0, (aten_n - aten_1) / steps)
-    return StepProfile(steps, num_layers, (wall_n - wall_1) / steps, sum(by_name.values()),
-                       aten_s, ranked)  # fmt: skip
+    return StepProfile(steps, num_layers, wall_n / steps, sum(by_name.values()), aten_s,
+                       ranked)  # fmt: skip
 
 
 def profile_markdown(p: StepProfile) -> str:
