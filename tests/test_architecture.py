@@ -85,3 +85,24 @@ def test_the_check_fails_on_an_unlisted_package(fake_tree: Path) -> None:
     _write(fake_tree, {"pkg/extra/__init__.py": "from pkg.low import a\n"})
     problems = upward_imports(package_graph(fake_tree, "pkg"), read_layers(fake_tree / "doc.md"))
     assert problems == ["extra: not in the layer list"]
+
+
+def test_the_api_process_runs_without_torch() -> None:
+    """`tidal serve`'s API process parses the whole CLI and runs the server and the engine
+    client; none of that may import torch (a quarter of a GB of resident memory in a process
+    that never runs a model). A subprocess, so the test session's own imports do not count."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from tidal.cli import build_parser\n"
+        "build_parser().parse_args(['serve', '--port', '8000'])\n"
+        "import tidal.cli_serve, tidal.server.app, tidal.client.supervised, tidal.router.replicated\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules)\n"
+        "print(','.join(heavy))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "", f"the API process imported {out.stdout.strip()}"

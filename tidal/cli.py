@@ -236,9 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
         cli_bench = None  # type: ignore[assignment]
     if cli_bench is not None:
         cli_bench.add_parser(sub)
-    from tidal.worker import gate
+    from tidal.worker import gate_args
 
-    gate.add_parser(sub)  # `tidal quantize-check --quantization int8`
+    gate_args.add_parser(sub)  # `tidal quantize-check --quantization int8`; torch-free
     return parser
 
 

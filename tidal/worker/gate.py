@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tidal.config.cache import KV_CACHE_DTYPES
-from tidal.config.quant import NATIVE_SCHEMES, SCHEMES, check_scheme
+from tidal.config.quant import NATIVE_SCHEMES, check_scheme
 from tidal.quant.registry import QuantSummary, quantize_model
 
 if TYPE_CHECKING:
@@ -232,30 +232,6 @@ def enforce(report: GateReport, force: bool = False) -> None:
         raise GateFailed(report.line() + " (pass --force to use it anyway)")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "quantize-check",
-        help="perplexity and top-1 agreement of a quantized model vs float on held-out text",
-    )
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: bundled)")
-    p.add_argument(
-        "--quantization",
-        default="none",
-        choices=[s for s in SCHEMES if s != "auto"],
-        help="weight format ('gguf': the file's blocks through tidal's kernels)",
-    )
-    p.add_argument(
-        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES, help="KV cache storage"
-    )
-    p.add_argument("--threshold-pct", type=float, default=1.0, help="allowed perplexity rise, %%")
-    p.add_argument("--context-tokens", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
-    p.add_argument("--force", action="store_true", help="exit 0 even when the gate fails")
-    p.add_argument("--threads", type=int, default=None)
-    p.set_defaults(func=run)
-    return p
-
-
 def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -312,6 +288,8 @@ def _bundled() -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from tidal.worker.gate_args import add_parser
+
     parser = argparse.ArgumentParser(prog="tidal")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["quantize-check", *(argv if argv is not None else sys.argv[1:])])
