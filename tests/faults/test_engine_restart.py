@@ -350,3 +350,25 @@ def test_a_request_that_arrives_while_the_engine_restarts(
         assert m["tidal:engine_restarts_total"] == 1 and m["tidal:engine_up"] == 1
     finally:
         server.stop()
+
+
+def test_no_standby_keeps_no_spare_process_and_restarts_cold(tiny_checkpoint: Path) -> None:
+    """`--no-standby` (server.standby false): the server runs no spare engine process (its ~0.2
+    GB stays free) and a killed engine is replaced by a cold process that serves the same
+    greedy tokens."""
+    server = ServerProcess(
+        ["--model", str(tiny_checkpoint), "--kv-cache-bytes", KV_BYTES, "--no-standby"]
+    )
+    try:
+        server.wait_ready()
+        before = _short(server, "Tide")
+        assert before.status_code == 200, before.text
+        os.kill(_engine_pid(server, 0), signal.SIGKILL)
+        server.wait_until(lambda: "ready (incarnation 1," in server.log, "the restart", DEADLINE_S)
+        assert re.search(r"engine process \d+ starting \(incarnation 1\)", server.log), server.log
+        after = _short(server, "Tide")
+        assert after.status_code == 200, after.text
+        assert after.json()["choices"][0] == before.json()["choices"][0]
+        assert "standby engine process" not in server.log
+    finally:
+        server.stop()
