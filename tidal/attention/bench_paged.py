@@ -4,8 +4,9 @@
 
 Gemma 3 270M's attention shape (H=4, KVH=1, D=256, pages of 16): decode steps of 1 and 32
 sequences at contexts 128/1024/4096 (one also through a 512-token sliding window, as 15 of its
-18 layers are) and 512-token prefill chunks. Each case is seeded, warmed
-up, run side by side with its baseline and reported as the median ms per layer call (the KV
+18 layers are), 512-token prefill chunks, and a 1,024-token chunk after 5,000 tokens, global and
+through the window (the long prompts that decide time to first token). Each case is seeded,
+warmed up, run side by side with its baseline and reported as the median ms per layer call (the KV
 write included), the kernel's GB/s of K/V pages read (what bounds decode) and its GFLOP/s
 (q.k and p.v, causal: what bounds prefill). One JSON record per case follows.
 
@@ -126,16 +127,19 @@ def main(argv: list[str] | None = None) -> None:
     cases.append(("decode 32 seq ctx 4096 win 512", [1] * 32, [4096] * 32, 512))  # sliding
     cases.append(("prefill chunk 512 from 0", [512], [512], None))
     cases.append(("prefill chunk 512 after 1024", [512], [1536], None))
+    # the long-prompt work: a 6,000-token prompt's last 1,024-token chunk, global and sliding
+    cases.append(("prefill chunk 1024 after 5000", [1024], [6024], None))
+    cases.append(("prefill 1024 after 5000 win 512", [1024], [6024], 512))
     records = []
     print(
-        f"{'case':<30}{'kernel ms':>11}{'torch ms':>11}{'speedup':>9}{'KV GB/s':>9}"
+        f"{'case':<32}{'kernel ms':>11}{'torch ms':>11}{'speedup':>9}{'KV GB/s':>9}"
         f"{'GFLOP/s':>9}{'max diff':>10}"
     )
     for name, query_lens, context_lens, window in cases:
         r = _case(name, query_lens, context_lens, args.kv, args.repeat, window)
         records.append(r)
         print(
-            f"{name:<30}{r['kernel_ms']:>11.3f}{r['reference_ms']:>11.3f}{r['speedup']:>8.1f}x"
+            f"{name:<32}{r['kernel_ms']:>11.3f}{r['reference_ms']:>11.3f}{r['speedup']:>8.1f}x"
             f"{r['kernel_kv_gb_s']:>9.1f}{r['kernel_gflop_s']:>9.1f}{r['max_abs_diff']:>10.1e}"
         )
     for r in records:

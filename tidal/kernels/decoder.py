@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tidal.kernels import paged_attention
 from tidal.kernels.build import load
 from tidal.kernels.isa import capped_isa
 
@@ -77,9 +78,14 @@ def available() -> bool:
 
 @functools.cache
 def default_isa() -> int:
-    """The best path the library has, unless TIDAL_KERNEL_ISA names a lower one."""
+    """The `isa` the stack passes its attention and elementwise kernels: the best path the
+    library has (attention's AVX-512 where the CPU runs it, the elementwise kernels then run
+    AVX2), unless TIDAL_KERNEL_ISA names a lower one. Attention takes the path it takes outside
+    the stack (paged_attention.default_isa()), so a step gives the same bits either way."""
     lib = _library()
-    return capped_isa(0 if lib is None else int(lib.tidal_decoder_best_isa()))
+    if lib is None:
+        return capped_isa(0)
+    return capped_isa(max([int(lib.tidal_decoder_best_isa()), *paged_attention.isas()]))
 
 
 def gated_act(gate_up: torch.Tensor, inter: int, act: str) -> torch.Tensor | None:

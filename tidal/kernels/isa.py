@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 # The `isa` argument every C kernel takes; a higher code needs everything a lower one does.
-# A kernel without a path for some code runs its best one below it (paged attention and the
-# decoder's elementwise helpers stop at AVX2; the GGUF matmuls have AVX-512 with VNNI).
+# A kernel without a path for some code runs its best one below it (the decoder's elementwise
+# helpers stop at AVX2; paged attention has AVX-512 F/BW/VL/DQ, the GGUF matmuls AVX-512 with VNNI).
 ISA_SCALAR, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 ISA_NAMES: dict[str, int] = {"scalar": ISA_SCALAR, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 # /proc/cpuinfo flags (tidal.kernels.build.cpu_flags) a path needs to run

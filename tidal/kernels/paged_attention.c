@@ -45,13 +45,27 @@
 #else
 #define TIDAL_AVX2 0
 #endif
+/* -march=native on a machine with AVX-512 F/BW/VL/DQ adds the 16-lane path */
+#if TIDAL_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define TIDAL_AVX512 1
+#else
+#define TIDAL_AVX512 0
+#endif
 
 enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 #define KB 16   /* keys per chunk: one softmax update per row per chunk; a multiple of 8 */
+#ifndef NCH
+#define NCH 4
+#endif
+/* AVX-512: chunks whose scores precede one p.v pass (run_segment512) */
 #define SEG 256 /* keys per segment, a multiple of KB: the unit a long decode is split into */
 #define ROWS 16 /* rows (query x head) a tile aims for */
+#ifndef ROWS512
+#define ROWS512 32 /* on the AVX-512 path, whose blocks want more rows per key */
+#endif
 /* below these many row x key x column products a step runs on one thread (~20 us of work) */
 #define PARALLEL_WORK (1 << 19)
 /* below these many K/V elements the write runs on one thread */
@@ -60,7 +74,9 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1 };
 
 #define NEG_INF (-__builtin_inff())
 
-int tidal_paged_attention_best_isa(void) { return TIDAL_AVX2 ? ISA_AVX2 : ISA_SCALAR; }
+int tidal_paged_attention_best_isa(void) {
+    return TIDAL_AVX512 ? ISA_AVX512 : TIDAL_AVX2 ? ISA_AVX2 : ISA_SCALAR;
+}
 
 typedef struct {
     const float *q, *k, *v;
@@ -97,7 +113,17 @@ typedef struct {
     float kmul[KB], vmul[KB];
     int64_t off[KB];         /* per lane: slot * KVH + g, the row index into pages and scales */
     int64_t next[KB];        /* per lane: the next chunk's rows, prefetched meanwhile */
+    /* the AVX-512 path's group of NCH chunks (run_segment512): lane rows of each and the next,
+     * scales of each; sc, alpha and vbuf then hold NCH chunks' worth */
+    int64_t goff[NCH + 1][KB];
+    float kmul4[NCH][KB], vmul4[NCH][KB];
 } scr_t;
+
+typedef struct {
+    const void *vbase;       /* a chunk's values: pages, or vbuf's widened rows */
+    const int64_t *voff;     /* per lane: its row in vbase */
+    int kk0, kk1, ra, rb;    /* its lanes; the tile's rows that meet it, [ra, rb) */
+} chunk512_t;
 
 /* ---------------------------------------------------------------- scalar helpers */
 
@@ -414,6 +440,275 @@ static void softmax_row_avx2(float *s, const float *kmul, const float *vmul, flo
 }
 #endif /* TIDAL_AVX2 */
 
+/* ---------------------------------------------------------------- AVX-512 kernels
+ * 16 lanes and 32 registers: a q.k block is 4 rows x 4 keys (16 accumulators, 8 loads per 16
+ * FMAs), a p.v block 4 rows x 64 columns (16 accumulators, 4 value loads per 16 FMAs). */
+#if TIDAL_AVX512
+/* 16 elements of a page row as float; 8-bit codes before their scale (e4m3 also / 256, as
+ * e4m3x8_div256) */
+ALWAYS_INLINE __m512 load16(const void *base, int64_t i, int type) {
+    switch (type) {
+    case KV_F32: return _mm512_loadu_ps((const float *)base + i);
+    case KV_BF16: {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    case KV_INT8:
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + i))));
+    default: {
+        __m256i b =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + i)));
+        __m256i mag = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7);
+        __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+        return _mm512_cvtph_ps(_mm256_or_si256(mag, sign));
+    }
+    }
+}
+
+/* The 16 lane sums of v[0..15]; the sum of v[i] lands in lane 4 * (i % 4) + i / 4. Every one is
+ * the same tree over its lanes x[0..15], whichever slot it sits in:
+ *   a(l) = x[l] + x[l + 8], b(m) = a(m) + a(m + 4), c(n) = b(n) + b(n + 2), sum = c(0) + c(1) */
+static inline __m512 hsum16x(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: a() of v[2i]; lanes 8-15: a() of v[2i + 1] */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit block k: b() of v[4i + k] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* block k: c(0), c(1) of v[8i + k], then of v[8i + 4 + k] */
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* the 16 scores of rows q[0..3] x keys kr[0..3]: row i's 4 in lanes 4i..4i+3. One accumulator
+ * per pair, d in order, one tree (hsum16x): a pair's sum does not depend on its neighbours
+ * (the caller repeats a row or key to fill a block and drops the copies). pf: the next chunk's
+ * key rows to prefetch, or NULL. */
+ALWAYS_INLINE __m512 qk_block512(const float *const q[4], const uint8_t *const kr[4],
+                                 const uint8_t *const *pf, int64_t D, int type, int esz) {
+    __m512 acc[16]; /* pair (row i, key j) in slot 4j + i: its sum lands in lane 4i + j */
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 kv[4];
+        if (pf && ((d * esz) & 63) == 0)
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)pf[j] + d * esz, _MM_HINT_T0);
+        for (int j = 0; j < 4; j++) {
+            kv[j] = load16(kr[j], d, type);
+            __asm__("" : "+v"(kv[j])); /* one load per vector, kept in a register */
+        }
+        for (int i = 0; i < 4; i++) {
+            __m512 qv = _mm512_loadu_ps(q[i] + d);
+            __asm__("" : "+v"(qv));
+            for (int j = 0; j < 4; j++) acc[4 * j + i] = _mm512_fmadd_ps(qv, kv[j], acc[4 * j + i]);
+        }
+    }
+    return hsum16x(acc);
+}
+
+ALWAYS_INLINE void qk_rows512(const float *const *qr, int nrows, const void *kbase,
+                              const int64_t *off, const int64_t *next, int kk0, int kk1, int64_t D,
+                              int type, float *s) {
+    int esz = type == KV_F32 ? 4 : type == KV_BF16 ? 2 : 1;
+    /* rows outer: the chunk's keys stay in L1 while every row block passes over them */
+    for (int r = 0; r < nrows; r += 4) {
+        int nr = nrows - r < 4 ? nrows - r : 4;
+        const float *q[4];
+        for (int i = 0; i < 4; i++) q[i] = qr[r + (i < nr ? i : nr - 1)];
+        for (int kk = kk0; kk <= kk1; kk += 4) {
+            int nk = kk1 - kk + 1 < 4 ? kk1 - kk + 1 : 4;
+            const uint8_t *kr[4], *pf[4];
+            for (int j = 0; j < 4; j++) {
+                int k = kk + (j < nk ? j : nk - 1);
+                kr[j] = (const uint8_t *)kbase + off[k] * D * esz;
+                pf[j] = (const uint8_t *)kbase + next[k] * D * esz;
+            }
+            float t[16];
+            _mm512_storeu_ps(t, qk_block512(q, kr, r == 0 ? pf : NULL, D, type, esz));
+            for (int i = 0; i < nr; i++)
+                for (int j = 0; j < nk; j++) s[(r + i) * KB + kk + j] = t[4 * i + j];
+        }
+    }
+}
+
+/* acc_r = acc_r * alpha_r + sum over kk0..kk1 (in order) of p[r][kk] * value(kk), for 4 rows
+ * (nr real, the rest repeat the last and are not stored), NV x 16 columns from d */
+ALWAYS_INLINE void pv_block512(float *acc, int64_t D, int nr, const float *alpha, const float *p,
+                               const void *vbase, const int64_t *off, const int64_t *next,
+                               int kk0, int kk1, int64_t d, int NV, int type, int prefetch) {
+    __m512 a[4][4];
+    int esz = type == KV_F32 ? 4 : type == KV_BF16 ? 2 : 1;
+    int ri[4];
+    for (int i = 0; i < 4; i++) ri[i] = i < nr ? i : nr - 1;
+    for (int i = 0; i < 4; i++) {
+        __m512 al = _mm512_set1_ps(alpha[ri[i]]);
+        for (int c = 0; c < NV; c++)
+            a[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + ri[i] * D + d + 16 * c), al);
+    }
+    for (int kk = kk0; kk <= kk1; kk++) {
+        const uint8_t *vr = (const uint8_t *)vbase + off[kk] * D * esz;
+        if (prefetch)
+            for (int c = 0; c < NV; c++)
+                if ((((d + 16 * c) * esz) & 63) == 0)
+                    _mm_prefetch((const char *)vbase + (next[kk] * D + d + 16 * c) * esz,
+                                 _MM_HINT_T0);
+        __m512 vv[4];
+        for (int c = 0; c < NV; c++) vv[c] = load16(vr, d + 16 * c, type);
+        for (int i = 0; i < 4; i++) {
+            __m512 pb = _mm512_set1_ps(p[ri[i] * KB + kk]);
+            for (int c = 0; c < NV; c++) a[i][c] = _mm512_fmadd_ps(pb, vv[c], a[i][c]);
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(acc + i * D + d + 16 * c, a[i][c]);
+}
+
+ALWAYS_INLINE void pv_rows512(float *acc, int nrows, int64_t D, const float *alpha,
+                              const float *p, const void *vbase, const int64_t *off,
+                              const int64_t *next, int kk0, int kk1, int type) {
+    /* columns outer: a 64-column slice of the chunk's values stays in L1 for every row block */
+    for (int64_t d = 0; d < D; d += 64) {
+        int nv = D - d >= 64 ? 4 : (int)((D - d) / 16);
+        for (int r = 0; r < nrows; r += 4) {
+            int nr = nrows - r < 4 ? nrows - r : 4, pf = r == 0;
+            float *ar = acc + r * D;
+            const float *al = alpha + r, *pr = p + r * KB;
+            switch (nv) { /* constant shapes unroll into registers */
+            case 4: pv_block512(ar, D, nr, al, pr, vbase, off, next, kk0, kk1, d, 4, type, pf); break;
+            case 3: pv_block512(ar, D, nr, al, pr, vbase, off, next, kk0, kk1, d, 3, type, pf); break;
+            case 2: pv_block512(ar, D, nr, al, pr, vbase, off, next, kk0, kk1, d, 2, type, pf); break;
+            default: pv_block512(ar, D, nr, al, pr, vbase, off, next, kk0, kk1, d, 1, type, pf); break;
+            }
+        }
+    }
+}
+
+/* the same Cephes expf as exp_s, 16 lanes */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.3365447504f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+static inline __m512 tanh512(__m512 x) {
+    __m512 ax = _mm512_abs_ps(x);
+    __m512 z = _mm512_mul_ps(x, x);
+    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+    __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
+    __m512 e = exp512(_mm512_add_ps(ax, ax));
+    __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                               _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+    big = _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(big),
+        _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ), big,
+                                small);
+}
+
+/* one row's chunk: scores s[KB] (masked lanes -inf) -> probabilities (times vmul), new max/sum */
+static void softmax_row_avx512(float *s, const float *kmul, const float *vmul, float scale,
+                               float softcap, float *m, float *l, float *alpha) {
+    const __m512 ninf = _mm512_set1_ps(NEG_INF);
+    __m512 x = _mm512_loadu_ps(s);
+    __mmask16 valid = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    if (kmul) x = _mm512_mul_ps(x, _mm512_loadu_ps(kmul));
+    x = _mm512_mul_ps(x, _mm512_set1_ps(scale));
+    if (softcap > 0) {
+        __m512 cap = _mm512_set1_ps(softcap);
+        x = _mm512_mul_ps(tanh512(_mm512_div_ps(x, cap)), cap);
+    }
+    x = _mm512_mask_blend_ps(valid, ninf, x);
+    float mx = maxf(*m, _mm512_reduce_max_ps(x));
+    *alpha = *m == NEG_INF ? 0.0f : exp1_avx2(*m - mx);
+    __m512 p = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
+    *l = *l * *alpha + _mm512_reduce_add_ps(p);
+    *m = mx;
+    if (vmul) p = _mm512_mul_ps(p, _mm512_loadu_ps(vmul));
+    _mm512_storeu_ps(s, p);
+}
+/* hsum16x's tree with max: the 16 lane maxima of v[0..15] (exact in any order), same lanes */
+static inline __m512 hmax16x(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_max_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_max_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_max_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_max_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* hsum16x / hmax16x's result with the value of v[i] in lane i */
+static inline __m512 slots_in_order(__m512 z) {
+    const __m512i idx = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(idx, z);
+}
+
+/* One chunk's softmax step for n <= 16 rows at once (row i at sc + i * KB, keys lo[i]..pos[i],
+ * lanes kk0..kk1 of a chunk at key position cc): the scores become probabilities (times vmul,
+ * zero on other lanes) and each row's max, sum and alpha (the rescale of its accumulator) are
+ * updated. Every row takes the same operations whatever n and its slot: the row reductions are
+ * hsum16x's and hmax16x's trees (the slots past n repeat the last row and are dropped). */
+static void softmax_rows512(float *sc, int n, const int64_t *lo, const int64_t *pos, int64_t cc,
+                            int kk0, int kk1, const float *kmul, const float *vmul, float scale,
+                            float softcap, float *m, float *l, float *alpha) {
+    const __m512 ninf = _mm512_set1_ps(NEG_INF);
+    __m512 x[16];
+    __mmask16 valid[16];
+    for (int i = 0; i < 16; i++) {
+        int r = i < n ? i : n - 1;
+        int64_t a = lo[r] - cc > kk0 ? lo[r] - cc : kk0, b = pos[r] - cc < kk1 ? pos[r] - cc : kk1;
+        valid[i] = a > b ? 0 : (__mmask16)(((2u << b) - 1u) & ~((1u << a) - 1u));
+        __m512 v = _mm512_loadu_ps(sc + r * KB);
+        if (kmul) v = _mm512_mul_ps(v, _mm512_loadu_ps(kmul));
+        v = _mm512_mul_ps(v, _mm512_set1_ps(scale));
+        if (softcap > 0) {
+            __m512 cap = _mm512_set1_ps(softcap);
+            v = _mm512_mul_ps(tanh512(_mm512_div_ps(v, cap)), cap);
+        }
+        x[i] = _mm512_mask_blend_ps(valid[i], ninf, v);
+    }
+    __mmask16 rows = (__mmask16)((1u << n) - 1u);
+    __m512 mv = _mm512_mask_loadu_ps(ninf, rows, m);
+    __m512 mx = _mm512_max_ps(mv, slots_in_order(hmax16x(x)));
+    __m512 al = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(mv, ninf, _CMP_NEQ_OQ),
+                                    exp512(_mm512_sub_ps(mv, mx)));
+    float mxs[16];
+    _mm512_storeu_ps(mxs, mx);
+    for (int i = 0; i < 16; i++)
+        x[i] = _mm512_maskz_mov_ps(valid[i], exp512(_mm512_sub_ps(x[i], _mm512_set1_ps(mxs[i]))));
+    __m512 lv = _mm512_maskz_loadu_ps(rows, l);
+    lv = _mm512_add_ps(_mm512_mul_ps(lv, al), slots_in_order(hsum16x(x)));
+    _mm512_mask_storeu_ps(m, rows, mx);
+    _mm512_mask_storeu_ps(l, rows, lv);
+    _mm512_mask_storeu_ps(alpha, rows, al);
+    for (int i = 0; i < n; i++)
+        _mm512_storeu_ps(sc + i * KB, vmul ? _mm512_mul_ps(x[i], _mm512_loadu_ps(vmul)) : x[i]);
+}
+#endif /* TIDAL_AVX512 */
+
 /* ---------------------------------------------------------------- scalar kernels */
 
 static void qk_rows_scalar(const float *const *qr, int nrows, const void *kbase, const int64_t *off,
@@ -467,6 +762,16 @@ static void qk_rows(const prm_t *P, const void *kb, int type, const int64_t *off
                     const int64_t *next, const float *const *qr, int nrows, int kk0, int kk1,
                     float *s) {
     int64_t D = P->D;
+#if TIDAL_AVX512
+    if (P->isa == ISA_AVX512) {
+        switch (type) {
+        case KV_F32: qk_rows512(qr, nrows, kb, off, next, kk0, kk1, D, KV_F32, s); return;
+        case KV_BF16: qk_rows512(qr, nrows, kb, off, next, kk0, kk1, D, KV_BF16, s); return;
+        case KV_INT8: qk_rows512(qr, nrows, kb, off, next, kk0, kk1, D, KV_INT8, s); return;
+        default: qk_rows512(qr, nrows, kb, off, next, kk0, kk1, D, KV_FP8, s); return;
+        }
+    }
+#endif
 #if TIDAL_AVX2
     if (P->isa == ISA_AVX2) {
         switch (type) {
@@ -485,6 +790,16 @@ static void pv_rows(const prm_t *P, const void *vb, int type, const int64_t *off
                     const int64_t *next, float *acc, int nrows, const float *alpha,
                     const float *p, int kk0, int kk1) {
     int64_t D = P->D;
+#if TIDAL_AVX512
+    if (P->isa == ISA_AVX512) {
+        switch (type) {
+        case KV_F32: pv_rows512(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_F32); return;
+        case KV_BF16: pv_rows512(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_BF16); return;
+        case KV_INT8: pv_rows512(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_INT8); return;
+        default: pv_rows512(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_FP8); return;
+        }
+    }
+#endif
 #if TIDAL_AVX2
     if (P->isa == ISA_AVX2) {
         switch (type) {
@@ -529,6 +844,12 @@ static const int64_t LANES[KB] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 
 
 static void softmax_row(const prm_t *P, float *s, const float *kmul, const float *vmul, float *m,
                         float *l, float *alpha) {
+#if TIDAL_AVX512
+    if (P->isa == ISA_AVX512) {
+        softmax_row_avx512(s, kmul, vmul, P->scale, P->softcap, m, l, alpha);
+        return;
+    }
+#endif
 #if TIDAL_AVX2
     if (P->isa == ISA_AVX2) {
         softmax_row_avx2(s, kmul, vmul, P->scale, P->softcap, m, l, alpha);
@@ -540,7 +861,7 @@ static void softmax_row(const prm_t *P, float *s, const float *kmul, const float
 
 static inline float exp_isa(const prm_t *P, float x) {
 #if TIDAL_AVX2
-    if (P->isa == ISA_AVX2) return exp1_avx2(x);
+    if (P->isa >= ISA_AVX2) return exp1_avx2(x); /* AVX-512 folds segments as AVX2 does */
 #endif
     (void)P;
     return exp_s(x);
@@ -562,7 +883,7 @@ static void fold(const prm_t *P, float *tm, float *tl, float *tacc, float cm, fl
     *tm = m;
     int64_t d = 0;
 #if TIDAL_AVX2
-    if (P->isa == ISA_AVX2) {
+    if (P->isa >= ISA_AVX2) {
         __m256 v1 = _mm256_set1_ps(a1), v2 = _mm256_set1_ps(a2);
         for (; d + 8 <= D; d += 8)
             _mm256_storeu_ps(tacc + d, _mm256_fmadd_ps(_mm256_loadu_ps(cacc + d), v2,
@@ -609,7 +930,7 @@ static void run_segment(const prm_t *P, const tile_t *tl, int R, int64_t s, scr_
     int64_t p0 = w->pos[0];
     const int64_t *table = P->tables + (int64_t)tl->seq * P->W;
     int quant = P->type == KV_INT8 || P->type == KV_FP8;
-    float qmul = P->type == KV_FP8 && P->isa == ISA_AVX2 ? 256.0f : 1.0f; /* e4m3x8_div256 */
+    float qmul = P->type == KV_FP8 && P->isa >= ISA_AVX2 ? 256.0f : 1.0f; /* e4m3x8_div256 */
     int64_t c0 = a - a % KB;
     lane_rows(P, table, tl->g, c0, a, b, w->off);
     for (; c0 <= b; c0 += KB) {
@@ -641,9 +962,11 @@ static void run_segment(const prm_t *P, const tile_t *tl, int R, int64_t s, scr_
         const int64_t *off = w->off, *next = w->next;
         int type = P->type;
 #if TIDAL_AVX2
-        if (P->isa == ISA_AVX2 && type == KV_FP8 && nr > 4) {
+        if (nr > 4 && ((P->isa == ISA_AVX2 && type == KV_FP8) ||
+                       (P->isa == ISA_AVX512 && type != KV_F32))) {
             /* more than one block of 4 rows would each convert the chunk: convert it once
-             * (e4m3 only: int8 and bfloat16 convert in 2 instructions, cheaper than a copy) */
+             * (on AVX2 e4m3 only: int8 and bfloat16 convert in 2 instructions, cheaper than a
+             * copy there; AVX-512 tiles have many more row blocks per chunk) */
             widen_chunk(P->kp, type, off, next, kk0, kk1, D, w->kbuf);
             widen_chunk(P->vp, type, off, next, kk0, kk1, D, w->vbuf);
             kbase = w->kbuf, vbase = w->vbuf, off = next = LANES, type = KV_F32;
@@ -663,13 +986,176 @@ static void run_segment(const prm_t *P, const tile_t *tl, int R, int64_t s, scr_
     }
 }
 
+#if TIDAL_AVX512
+/* p.v over a group of chunks for 4 rows (nr real) x NV x 16 columns from d: per chunk c in order,
+ * acc = acc * alpha_c, then acc += p_c[kk] * value_c(kk) for kk in order: the op sequence of a
+ * chunk at a time, with the accumulators kept in registers across the group's chunks */
+ALWAYS_INLINE void pv_group_block512(float *acc, int64_t D, int nr, const float *alpha,
+                                     const float *p, int64_t cstride, const chunk512_t *ch,
+                                     int nc, const void *vbase, const int64_t *pfoff, int64_t d,
+                                     int NV, int type) {
+    __m512 a[4][4];
+    int esz = type == KV_F32 ? 4 : type == KV_BF16 ? 2 : 1;
+    int ri[4];
+    for (int i = 0; i < 4; i++) ri[i] = i < nr ? i : nr - 1;
+    for (int i = 0; i < 4; i++)
+        for (int c = 0; c < NV; c++) a[i][c] = _mm512_loadu_ps(acc + ri[i] * D + d + 16 * c);
+    for (int g = 0; g < nc; g++) {
+        const float *al = alpha + g * cstride / KB, *pg = p + g * cstride;
+        for (int i = 0; i < 4; i++) {
+            __m512 av = _mm512_set1_ps(al[ri[i]]);
+            for (int c = 0; c < NV; c++) a[i][c] = _mm512_mul_ps(a[i][c], av);
+        }
+        const uint8_t *vb = (const uint8_t *)ch[g].vbase;
+        for (int kk = ch[g].kk0; kk <= ch[g].kk1; kk++) {
+            const uint8_t *vr = vb + ch[g].voff[kk] * D * esz;
+            if (pfoff)
+                for (int c = 0; c < NV; c++)
+                    if ((((d + 16 * c) * esz) & 63) == 0)
+                        _mm_prefetch((const char *)vbase + (pfoff[kk] * D + d + 16 * c) * esz,
+                                     _MM_HINT_T0);
+            __m512 vv[4];
+            for (int c = 0; c < NV; c++) vv[c] = load16(vr, d + 16 * c, type);
+            for (int i = 0; i < 4; i++) {
+                __m512 pb = _mm512_set1_ps(pg[ri[i] * KB + kk]);
+                for (int c = 0; c < NV; c++) a[i][c] = _mm512_fmadd_ps(pb, vv[c], a[i][c]);
+            }
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int c = 0; c < NV; c++) _mm512_storeu_ps(acc + i * D + d + 16 * c, a[i][c]);
+}
+
+ALWAYS_INLINE void pv_group512(float *acc, int ra, int rb, int64_t D, const float *alpha,
+                               const float *p, int64_t cstride, const chunk512_t *ch, int nc,
+                               const void *vbase, const int64_t *pfoff, int type) {
+    /* columns outer: a 64-column slice of the group's values stays in L1 for every row block */
+    for (int64_t d = 0; d < D; d += 64) {
+        int nv = D - d >= 64 ? 4 : (int)((D - d) / 16);
+        for (int r = ra; r < rb; r += 4) {
+            int nr = rb - r < 4 ? rb - r : 4;
+            const int64_t *pf = r == ra ? pfoff : NULL;
+            float *ar = acc + r * D;
+            const float *al = alpha + r, *pr = p + r * KB;
+            switch (nv) { /* constant shapes unroll into registers */
+            case 4: pv_group_block512(ar, D, nr, al, pr, cstride, ch, nc, vbase, pf, d, 4, type); break;
+            case 3: pv_group_block512(ar, D, nr, al, pr, cstride, ch, nc, vbase, pf, d, 3, type); break;
+            case 2: pv_group_block512(ar, D, nr, al, pr, cstride, ch, nc, vbase, pf, d, 2, type); break;
+            default: pv_group_block512(ar, D, nr, al, pr, cstride, ch, nc, vbase, pf, d, 1, type); break;
+            }
+        }
+    }
+}
+
+static void pv_group(const prm_t *P, int type, float *acc, int ra, int rb, const float *alpha,
+                     const float *p, int64_t cstride, const chunk512_t *ch, int nc,
+                     const void *vbase, const int64_t *pfoff) {
+    int64_t D = P->D;
+    switch (type) {
+    case KV_F32: pv_group512(acc, ra, rb, D, alpha, p, cstride, ch, nc, vbase, pfoff, KV_F32); return;
+    case KV_BF16: pv_group512(acc, ra, rb, D, alpha, p, cstride, ch, nc, vbase, pfoff, KV_BF16); return;
+    case KV_INT8: pv_group512(acc, ra, rb, D, alpha, p, cstride, ch, nc, vbase, pfoff, KV_INT8); return;
+    default: pv_group512(acc, ra, rb, D, alpha, p, cstride, ch, nc, vbase, pfoff, KV_FP8); return;
+    }
+}
+
+/* run_segment on the AVX-512 path: the same chunks, each row's softmax updates and p.v sums in
+ * the same order, but NCH chunks' scores first, then one p.v pass over the group (its
+ * accumulators loaded and stored once per group, not per chunk). A row of the group that does
+ * not meet one of its chunks takes that chunk as alpha = 1 and p = 0, which leaves its sums
+ * exactly as they are, as if the chunk had been skipped. */
+static void run_segment512(const prm_t *P, const tile_t *tl, int R, int64_t s, scr_t *w) {
+    int G = P->G;
+    int64_t D = P->D, nq = tl->nq, cstride = (int64_t)R * KB;
+    for (int r = 0; r < R; r++) w->cm[r] = NEG_INF, w->cl[r] = 0.0f;
+    memset(w->cacc, 0, sizeof(float) * (size_t)(R * D));
+    int64_t a = s * SEG > w->lo[0] ? s * SEG : w->lo[0];
+    int64_t b = s * SEG + SEG - 1 < w->pos[R - 1] ? s * SEG + SEG - 1 : w->pos[R - 1];
+    int64_t p0 = w->pos[0];
+    const int64_t *table = P->tables + (int64_t)tl->seq * P->W;
+    int quant = P->type == KV_INT8 || P->type == KV_FP8;
+    float qmul = P->type == KV_FP8 ? 256.0f : 1.0f; /* load16 gives e4m3 / 256 */
+    /* a tile of more than one row block converts 16- and 8-bit chunks to float once */
+    int widen = P->type != KV_F32 && R > 4;
+    int type = widen ? KV_F32 : P->type;
+    int64_t c0 = a - a % KB;
+    lane_rows(P, table, tl->g, c0, a, b, w->goff[0]);
+    while (c0 <= b) {
+        chunk512_t ch[NCH];
+        int nc = 0, ra = R, rb = 0;
+        for (; nc < NCH && c0 + nc * KB <= b; nc++) {
+            int64_t cc = c0 + nc * KB;
+            int64_t ka = cc > a ? cc : a, kb = cc + KB - 1 < b ? cc + KB - 1 : b;
+            int kk0 = (int)(ka - cc), kk1 = (int)(kb - cc);
+            int64_t *off = w->goff[nc], *next = w->goff[nc + 1];
+            int more = cc + KB <= b;
+            if (more) lane_rows(P, table, tl->g, cc + KB, cc + KB, b, next);
+            for (int kk = 0; kk < KB; kk++)
+                if (!more || cc + KB + kk > b) next[kk] = off[kk0];
+            /* the queries whose [lo, p] meet [ka, kb]: p >= ka, and lo <= kb */
+            int64_t qa = ka - p0 > 0 ? ka - p0 : 0, qb = nq - 1;
+            if (P->window > 0 && kb + P->window - 1 - p0 < qb) qb = kb + P->window - 1 - p0;
+            int cra = (int)(qa * G), crb = qa > qb ? cra : (int)((qb + 1) * G), nr = crb - cra;
+            float *kmul = w->kmul4[nc], *vmul = w->vmul4[nc];
+            if (quant)
+                for (int kk = 0; kk < KB; kk++) {
+                    int in = kk >= kk0 && kk <= kk1;
+                    kmul[kk] = in ? P->ks[off[kk]] * qmul : 0.0f;
+                    vmul[kk] = in ? P->vs[off[kk]] * qmul : 0.0f;
+                }
+            float *sc = w->sc + nc * cstride;
+            const void *kbase = P->kp;
+            const int64_t *koff = off, *knext = next;
+            ch[nc] = (chunk512_t){P->vp, off, kk0, kk1, cra, crb};
+            if (widen) {
+                float *vbuf = w->vbuf + (int64_t)nc * KB * D;
+                widen_chunk(P->kp, P->type, off, next, kk0, kk1, D, w->kbuf);
+                widen_chunk(P->vp, P->type, off, next, kk0, kk1, D, vbuf);
+                kbase = w->kbuf, koff = knext = LANES;
+                ch[nc].vbase = vbuf, ch[nc].voff = LANES;
+            }
+            if (nr <= 0) continue;
+            ra = cra < ra ? cra : ra, rb = crb > rb ? crb : rb;
+            /* scores on lanes kk0..kk1 (the others are masked below, whatever they hold) */
+            qk_rows(P, kbase, type, koff, knext, w->qr + cra, nr, kk0, kk1, sc + cra * KB);
+            for (int r = cra; r < crb; r += 16)
+                softmax_rows512(sc + r * KB, crb - r < 16 ? crb - r : 16, w->lo + r, w->pos + r,
+                                cc, kk0, kk1, quant ? kmul : NULL, quant ? vmul : NULL, P->scale,
+                                P->softcap, w->cm + r, w->cl + r, w->alpha + nc * R + r);
+        }
+        if (ra < rb) {
+            for (int g = 0; g < nc; g++) /* rows of the group that miss chunk g: exact no-ops */
+                for (int r = ra; r < rb; r++)
+                    if (r < ch[g].ra || r >= ch[g].rb || ch[g].ra >= ch[g].rb) {
+                        w->alpha[g * R + r] = 1.0f;
+                        for (int kk = 0; kk < KB; kk++) w->sc[g * cstride + r * KB + kk] = 0.0f;
+                    }
+            pv_group(P, widen ? KV_F32 : P->type, w->cacc, ra, rb, w->alpha, w->sc, cstride, ch,
+                     nc, P->vp, widen ? NULL : w->goff[nc]);
+        }
+        c0 += (int64_t)nc * KB;
+        memcpy(w->goff[0], w->goff[nc], sizeof w->goff[0]);
+    }
+}
+#endif
+
+static void run_segment_isa(const prm_t *P, const tile_t *tl, int R, int64_t s, scr_t *w) {
+#if TIDAL_AVX512
+    if (P->isa == ISA_AVX512) {
+        run_segment512(P, tl, R, s, w);
+        return;
+    }
+#endif
+    run_segment(P, tl, R, s, w);
+}
+
 /* a whole tile: its segments in order, folded, written to out */
 static void run_tile(const prm_t *P, const tile_t *tl, scr_t *w) {
     int R = tile_rows(P, tl, w);
     int64_t D = P->D;
     for (int r = 0; r < R; r++) w->tm[r] = NEG_INF, w->tl[r] = 0.0f;
     for (int64_t s = tl->seg0; s < tl->seg1; s++) {
-        run_segment(P, tl, R, s, w);
+        run_segment_isa(P, tl, R, s, w);
         for (int r = 0; r < R; r++)
             fold(P, &w->tm[r], &w->tl[r], w->tacc + r * D, w->cm[r], w->cl[r], w->cacc + r * D);
     }
@@ -684,7 +1170,7 @@ static void run_tile(const prm_t *P, const tile_t *tl, scr_t *w) {
 static void run_part(const prm_t *P, const tile_t *tl, int64_t s, float *part, scr_t *w) {
     int R = tile_rows(P, tl, w);
     int64_t D = P->D;
-    run_segment(P, tl, R, s, w);
+    run_segment_isa(P, tl, R, s, w);
     float *dst = part + tl->part + (s - tl->seg0) * R * (D + 2);
     for (int r = 0; r < R; r++, dst += D + 2) {
         dst[0] = w->cm[r], dst[1] = w->cl[r];
@@ -760,10 +1246,12 @@ int tidal_paged_attention(const void *packed) {
                a.v_scales, a.slot_mapping, a.block_tables, a.seqs, query_lens, context_lens,
                S, T, H, KVH, D, a.block_size, a.table_width, window, (float)a.scale,
                (float)a.softcap, (int)a.kv_type, (int)a.isa, 0, 0};
-    if (P.isa > ISA_AVX2) P.isa = ISA_AVX2; /* a higher code (AVX-512) runs the best path here */
+    if (P.isa > tidal_paged_attention_best_isa()) P.isa = tidal_paged_attention_best_isa();
+    if (P.isa == ISA_AVX512 && D % 16) P.isa = ISA_AVX2; /* 16-lane blocks: AVX2 takes the rest */
     if (!TIDAL_AVX2 || D % 8) P.isa = ISA_SCALAR;
     P.G = (int)(H / KVH);
-    P.QT = P.G >= ROWS ? 1 : ROWS / P.G;
+    int rows = P.isa == ISA_AVX512 ? ROWS512 : ROWS;
+    P.QT = P.G >= rows ? 1 : rows / P.G;
     int rmax = P.QT * P.G;
 
     /* Threads: one for a small step, where waking a second one costs more than it saves (and
@@ -829,7 +1317,7 @@ int tidal_paged_attention(const void *packed) {
     /* one join, no barrier inside: a split tile's last part to finish folds its parts */
 #pragma omp parallel num_threads(nt)
     {
-        size_t fl = (size_t)rmax * (size_t)(2 * D + 5 + KB) + 2 * KB * (size_t)D;
+        size_t fl = (size_t)rmax * (size_t)(2 * D + 4 + (KB + 1) * NCH) + (NCH + 1) * KB * (size_t)D;
         fl = (fl + 1) & ~(size_t)1; /* int64 after */
         size_t bytes = sizeof(float) * fl + sizeof(int64_t) * 2 * (size_t)rmax +
                        sizeof(float *) * (size_t)rmax;
@@ -839,14 +1327,14 @@ int tidal_paged_attention(const void *packed) {
             float *f = (float *)mem;
             w.cacc = f, f += rmax * D;
             w.tacc = f, f += rmax * D;
-            w.sc = f, f += rmax * KB;
+            w.sc = f, f += rmax * KB * NCH;
             w.cm = f, f += rmax;
             w.cl = f, f += rmax;
             w.tm = f, f += rmax;
             w.tl = f, f += rmax;
-            w.alpha = f, f += rmax;
+            w.alpha = f, f += rmax * NCH;
             w.kbuf = f, f += KB * D;
-            w.vbuf = f, f += KB * D;
+            w.vbuf = f, f += KB * D * NCH;
             w.lo = (int64_t *)(mem + sizeof(float) * fl);
             w.pos = w.lo + rmax;
             w.qr = (const float **)(w.pos + rmax);

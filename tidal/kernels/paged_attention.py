@@ -9,13 +9,21 @@ import struct
 
 import torch
 
-from tidal.kernels.build import load
-from tidal.kernels.isa import ISA_AVX2, ISA_NAMES, ISA_SCALAR, capped_isa  # noqa: F401
+from tidal.kernels.build import cpu_flags, load
+from tidal.kernels.isa import (  # noqa: F401
+    ISA_AVX2,
+    ISA_AVX512,
+    ISA_CPU_FLAGS,
+    ISA_NAMES,
+    ISA_SCALAR,
+    capped_isa,
+)
 
 # Page formats the kernel reads (its kv_type argument).
 KV_F32, KV_BF16, KV_INT8, KV_FP8 = 0, 1, 2, 3
-# Code paths (its isa argument; the codes and names above, re-exported here): scalar and AVX2.
-# TIDAL_KERNEL_ISA lowers the default (=scalar: the portable one; =avx512 leaves AVX2, its best).
+# Code paths (its isa argument; the codes and names above, re-exported here): scalar, AVX2 and
+# AVX-512 (head dims that are a multiple of 16; others run AVX2 on it). TIDAL_KERNEL_ISA lowers
+# the default (=avx2 on an AVX-512 machine runs AVX2, =scalar the portable one).
 
 # The kernel's arguments as one block of 8-byte fields (args_t in paged_attention.c), packed in
 # one C call: ctypes converts a single pointer instead of 27 arguments (~4 us saved per call).
@@ -57,11 +65,15 @@ def available() -> bool:
 
 @functools.cache
 def isas() -> tuple[int, ...]:
-    """The code paths this machine runs, the portable one first."""
+    """The code paths this machine runs, the portable one first: those the library was built
+    with (-march=native) whose CPU flags the machine has."""
     lib = _library()
     if lib is None:
         return ()
-    return tuple(range(lib.tidal_paged_attention_best_isa() + 1))
+    flags = cpu_flags()
+    built = range(lib.tidal_paged_attention_best_isa() + 1)
+    names = {code: name for name, code in ISA_NAMES.items()}
+    return tuple(code for code in built if ISA_CPU_FLAGS[names[code]] <= flags or not flags)
 
 
 @functools.cache
