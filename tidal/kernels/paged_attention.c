@@ -74,6 +74,25 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 #define NEG_INF (-__builtin_inff())
 
+/* Cephes expf and tanhf constants, shared by the scalar, 8- and 16-lane versions */
+#define EXP_LO (-87.3365447504f)
+#define EXP_HI (88.0f)
+#define EXP_LOG2E (1.44269504088896341f)
+#define EXP_LN2_HI (0.693359375f)
+#define EXP_LN2_LO (-2.12194440e-4f)
+#define EXP_P0 (1.9875691500e-4f)
+#define EXP_P1 (1.3981999507e-3f)
+#define EXP_P2 (8.3334519073e-3f)
+#define EXP_P3 (4.1665795894e-2f)
+#define EXP_P4 (1.6666665459e-1f)
+#define EXP_P5 (5.0000001201e-1f)
+#define TANH_P0 (-5.70498872745e-3f)
+#define TANH_P1 (2.06390887954e-2f)
+#define TANH_P2 (-5.37397155531e-2f)
+#define TANH_P3 (1.33314422036e-1f)
+#define TANH_P4 (-3.33332819422e-1f)
+#define TANH_SMALL (0.625f)
+
 int tidal_paged_attention_best_isa(void) {
     return TIDAL_AVX512 ? ISA_AVX512 : TIDAL_AVX2 ? ISA_AVX2 : ISA_SCALAR;
 }
@@ -139,16 +158,16 @@ static inline float rne(float x) {
 
 /* exp for x <= ~88 (Cephes expf: ~1 ulp); exp(0) == 1 exactly */
 static inline float exp_s(float x) {
-    x = x < -87.3365447504f ? -87.3365447504f : (x > 88.0f ? 88.0f : x);
-    float n = rne(x * 1.44269504088896341f);
-    float r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    float y = 1.9875691500e-4f;
-    y = y * r + 1.3981999507e-3f;
-    y = y * r + 8.3334519073e-3f;
-    y = y * r + 4.1665795894e-2f;
-    y = y * r + 1.6666665459e-1f;
-    y = y * r + 5.0000001201e-1f;
+    x = x < EXP_LO ? EXP_LO : (x > EXP_HI ? EXP_HI : x);
+    float n = rne(x * EXP_LOG2E);
+    float r = x - n * EXP_LN2_HI;
+    r = r - n * EXP_LN2_LO;
+    float y = EXP_P0;
+    y = y * r + EXP_P1;
+    y = y * r + EXP_P2;
+    y = y * r + EXP_P3;
+    y = y * r + EXP_P4;
+    y = y * r + EXP_P5;
     y = y * (r * r) + r + 1.0f;
     return y * f32_bits((uint32_t)((int32_t)n + 127) << 23);
 }
@@ -156,13 +175,13 @@ static inline float exp_s(float x) {
 /* tanh (Cephes tanhf: polynomial below 0.625, 1 - 2 / (exp(2|x|) + 1) above) */
 static inline float tanh_s(float x) {
     float ax = x < 0 ? -x : x;
-    if (ax < 0.625f) {
+    if (ax < TANH_SMALL) {
         float z = x * x;
-        float p = -5.70498872745e-3f;
-        p = p * z + 2.06390887954e-2f;
-        p = p * z - 5.37397155531e-2f;
-        p = p * z + 1.33314422036e-1f;
-        p = p * z - 3.33332819422e-1f;
+        float p = TANH_P0;
+        p = p * z + TANH_P1;
+        p = p * z + TANH_P2;
+        p = p * z + TANH_P3;
+        p = p * z + TANH_P4;
         return p * z * x + x;
     }
     float t = 1.0f - 2.0f / (exp_s(2.0f * ax) + 1.0f);
@@ -232,17 +251,17 @@ static inline float hmax256(__m256 v) {
 
 /* the same Cephes expf as exp_s, 8 lanes */
 static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.3365447504f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(EXP_HI)), _mm256_set1_ps(EXP_LO));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
+    __m256 y = _mm256_set1_ps(EXP_P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P5));
     y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
@@ -256,17 +275,17 @@ static inline __m256 tanh256(__m256 x) {
     __m256 signbit = _mm256_set1_ps(-0.0f);
     __m256 ax = _mm256_andnot_ps(signbit, x);
     __m256 z = _mm256_mul_ps(x, x);
-    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
-    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    __m256 p = _mm256_set1_ps(TANH_P0);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(TANH_P1));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(TANH_P2));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(TANH_P3));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(TANH_P4));
     __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
     __m256 e = exp256(_mm256_add_ps(ax, ax));
     __m256 big = _mm256_sub_ps(_mm256_set1_ps(1.0f),
                                _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
     big = _mm256_or_ps(big, _mm256_and_ps(signbit, x));
-    return _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+    return _mm256_blendv_ps(big, small, _mm256_cmp_ps(ax, _mm256_set1_ps(TANH_SMALL), _CMP_LT_OQ));
 }
 
 /* 8 e4m3 bytes -> float / 256: moving exponent and mantissa 7 bits up makes an fp16 whose
@@ -588,17 +607,17 @@ ALWAYS_INLINE void pv_rows512(float *acc, int nrows, int64_t D, const float *alp
 
 /* the same Cephes expf as exp_s, 16 lanes */
 static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.3365447504f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(EXP_HI)), _mm512_set1_ps(EXP_LO));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
+    __m512 y = _mm512_set1_ps(EXP_P0);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P1));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P2));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P3));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P4));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P5));
     y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
@@ -607,11 +626,11 @@ static inline __m512 exp512(__m512 x) {
 static inline __m512 tanh512(__m512 x) {
     __m512 ax = _mm512_abs_ps(x);
     __m512 z = _mm512_mul_ps(x, x);
-    __m512 p = _mm512_set1_ps(-5.70498872745e-3f);
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(2.06390887954e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-5.37397155531e-2f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(1.33314422036e-1f));
-    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(-3.33332819422e-1f));
+    __m512 p = _mm512_set1_ps(TANH_P0);
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(TANH_P1));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(TANH_P2));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(TANH_P3));
+    p = _mm512_fmadd_ps(p, z, _mm512_set1_ps(TANH_P4));
     __m512 small = _mm512_fmadd_ps(_mm512_mul_ps(p, z), x, x);
     __m512 e = exp512(_mm512_add_ps(ax, ax));
     __m512 big = _mm512_sub_ps(_mm512_set1_ps(1.0f),
@@ -619,7 +638,7 @@ static inline __m512 tanh512(__m512 x) {
     big = _mm512_castsi512_ps(_mm512_or_si512(
         _mm512_castps_si512(big),
         _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u))));
-    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0.625f), _CMP_LT_OQ), big,
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(ax, _mm512_set1_ps(TANH_SMALL), _CMP_LT_OQ), big,
                                 small);
 }
 
