@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidal.kernels.build import cpu_flags, load
-from tidal.kernels.isa import ISA_CPU_FLAGS, ISA_NAMES, requested_isa
+from tidal.kernels.isa import ISA_NAMES, default_path, runnable_paths
 
 # ggml type numbers as in tidal.quant.gguf_types.GGMLType (an IntEnum: its members work here;
 # kernels/ sits below loader/ in the layering, hence plain ints): name, elements, bytes per block.
@@ -178,20 +178,15 @@ def isas() -> list[str]:
     lib = _library()
     if lib is None:
         return []
-    built = {"avx512": lib.tidal_gguf_has_avx512(), "avx2": lib.tidal_gguf_has_avx2()}
-    flags = cpu_flags()
-    return [*(name for name, ok in built.items() if ok and ISA_CPU_FLAGS[name] <= flags), "scalar"]
+    built = {"avx512": bool(lib.tidal_gguf_has_avx512()), "avx2": bool(lib.tidal_gguf_has_avx2())}
+    return runnable_paths(built, cpu_flags())
 
 
 @functools.cache
 def default_isa() -> str:
     """The best path, lowered by env TIDAL_KERNEL_ISA (read once per process): the best one
     at or below the path it names (=avx2 on an AVX-512 machine runs AVX2, =scalar plain C)."""
-    paths = isas() or ["scalar"]
-    ceiling = requested_isa()
-    if ceiling is None:
-        return paths[0]
-    return next(name for name in paths if _ISA_CODES[name] <= ceiling)
+    return default_path(isas())
 
 
 @functools.cache

@@ -32,3 +32,20 @@ def capped_isa(best: int) -> int:
     """`best` (a kernel's best built path), lowered to TIDAL_KERNEL_ISA's ceiling if set."""
     ceiling = requested_isa()
     return best if ceiling is None else min(best, ceiling)
+
+
+def runnable_paths(built: dict[str, bool], flags: frozenset[str]) -> list[str]:
+    """The paths a library reports as `built` whose CPU `flags` this machine has, best first,
+    "scalar" (always built) last."""
+    names = sorted(built, key=lambda name: -ISA_NAMES[name])
+    return [*(n for n in names if built[n] and ISA_CPU_FLAGS[n] <= flags), "scalar"]
+
+
+def default_path(paths: list[str]) -> str:
+    """The best of `paths` (best first, as runnable_paths gives them) at or below
+    TIDAL_KERNEL_ISA's ceiling: =avx2 on an AVX-512 machine runs AVX2, =scalar plain C."""
+    paths = paths or ["scalar"]
+    ceiling = requested_isa()
+    if ceiling is None:
+        return paths[0]
+    return next(name for name in paths if ISA_NAMES[name] <= ceiling)
