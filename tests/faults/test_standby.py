@@ -175,3 +175,25 @@ def test_activate_reports_a_dead_standby_and_needs_one(tmp_path: Path) -> None:
 def test_start_engine_round_trips() -> None:
     msg = StartEngine(incarnation=2, warmup=True, fault="exit_when_ready")
     assert pickle.loads(pickle.dumps(msg)) == msg
+
+
+def test_the_standby_imports_what_the_engine_imports_and_no_more() -> None:
+    """The standby's pre-import builds the model on meta as the loader does: without torch's
+    weight init, whose first call on meta imports torch._dynamo and sympy (~800 modules, ~65 MB
+    of a process that is only waiting). A subprocess, so the test session's imports do not
+    count; the bundled model's header is what it reads."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from tidal.config.engine import EngineConfig\n"
+        "from tidal.supervisor.standby import _preimport\n"
+        "_preimport(EngineConfig())\n"
+        "print('torch' in sys.modules, 'tidal.models.gemma3' in sys.modules,\n"
+        "      sorted(m for m in ('torch._dynamo', 'sympy') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert out.stdout.strip() == "True True []", out.stdout + out.stderr

@@ -114,6 +114,14 @@ def _keep(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor
     return tensor
 
 
+def build_on_meta(arch: ArchConfig) -> nn.Module:
+    """The model for `arch` on the meta device, without weight init (see _no_weight_init): no
+    memory, and none of the imports (torch._dynamo, sympy: ~800 modules, ~65 MB) an init on
+    meta would pull in. The engine's loader and the standby process build through this."""
+    with torch.device("meta"), _no_weight_init():
+        return model_class(arch)(arch, kv_group_of_layers(arch))
+
+
 def load_model(
     path: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -148,9 +156,9 @@ def load_model(
     arch, gguf_arch, freq_factors = _read_header(p)
     shard = None if tensor_parallel is None else ShardPlan(arch, *tensor_parallel)
     local = arch if shard is None else shard.local_arch()
-    with torch.device("meta"), _no_weight_init():
-        model = model_class(local)(local, kv_group_of_layers(local))
-        if shard is not None:
+    model = build_on_meta(local)
+    if shard is not None:
+        with torch.device("meta"), _no_weight_init():
             _shard_vocabulary(model, shard)
     if gguf_blocks:
         assert gguf_arch is not None  # a file, checked above

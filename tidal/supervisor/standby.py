@@ -75,23 +75,21 @@ def _preimport(config: EngineConfig) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _NICE)
     try:
         import safetensors.torch  # noqa: F401  (the weight cache reader)
-        import torch
 
         import tidal.engine.builder  # noqa: F401  (torch, EngineCore)
         import tidal.loader.tokenizer  # noqa: F401
         from tidal.engine.builder import model_path
-        from tidal.loader.model_loader import kv_group_of_layers, read_arch
-        from tidal.models.registry import model_class
+        from tidal.loader.model_loader import build_on_meta, read_arch
 
         arch = read_arch(model_path(config))[0]  # memoized: the real start reuses it
-        # Building on the meta device allocates nothing, but its first time imports torch's
-        # refs and dynamo lazily (seconds on a busy CPU): pay that here, not after a crash.
-        with torch.device("meta"):
-            model_class(arch)(arch, kv_group_of_layers(arch))
+        # The model's modules on the meta device, as the loader builds them (imports what that
+        # imports, nothing more: an init on meta would pull in torch._dynamo and sympy).
+        build_on_meta(arch)
         # The native kernels: built once per machine, loaded once per process.
-        from tidal.kernels import gguf_gemm, paged_attention
+        from tidal.kernels import argmax, gguf_gemm, paged_attention
 
         gguf_gemm.available()
         paged_attention.available()
+        argmax.available()
     except Exception as e:  # e.g. a model file that is missing now: the start will say so
         log.warning("standby could not pre-import everything: %s: %s", type(e).__name__, e)
