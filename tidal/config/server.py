@@ -45,7 +45,7 @@ class ServerConfig:
     engine_process: bool = True
     # Keep a spare engine process that has imported torch and tidal (no weights, no KV), so a
     # restart after a crash or hang skips Python's start-up and the imports. It costs about
-    # 0.2 GB of resident memory; false restarts cold. Only with engine_process and one replica.
+    # 0.24 GB of resident memory; false restarts cold. Only with engine_process and one replica.
     standby: bool = True
     # The engine process counts as hung after this long without progress while it has work.
     watchdog_timeout_s: float = 30.0
