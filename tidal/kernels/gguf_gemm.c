@@ -27,11 +27,15 @@
  * act F32: weights are decoded in registers and meet float32 x in FMAs: the float32 matmul with
  *   the dequantized weights, up to summation order (a 32-block's d, and Q6_K's d*sc per 16 values,
  *   multiply the partial sum of their values' q * x).
- * act Q8: each row of x is quantized once per call, to int8 with a float scale per 32 values for
- *   the runs of 32, per 256 with the sums of every 16 codes (ggml's Q8_K) for the K-quants; dot
- *   products run on integer SIMD (AVX2 maddubs/madd, AVX-512 VNNI dpbusd/dpwssd) as in ggml-cpu:
- *   slightly different numbers. The integer sums are exact on every path (no int16 saturation:
- *   the sign trick bounds maddubs' pairs), so AVX2 and AVX-512 give the same q8 bits.
+ * act Q8: each row of x is quantized once per call, to int8 with a float scale per 32 values (the
+ *   32-form); the K-quants read the same codes and scales regrouped per 256 with the sums of every
+ *   16 codes (the 256-form), and scale each 32 values' integer sum by its own scale. ggml's Q8_K
+ *   has one scale per 256 there: on the bundled model that read +0.32% perplexity against +0.12%
+ *   (top-1 agreement 95.3% against 97.3%; docs/quantization.md), for 10-35% more time in the
+ *   K-quant kernels. Dot products run on integer SIMD (AVX2 maddubs/madd, AVX-512 VNNI dpbusd for
+ *   the runs of 32; the K-quants run AVX2's kernel on AVX-512 machines too): slightly different
+ *   numbers from float. The integer sums are exact on every path (no int16 saturation: the sign
+ *   trick bounds maddubs' pairs), so AVX2 and AVX-512 give the same q8 bits.
  *
  * Batch invariance (the contract): every y[m, n] is computed by the same sequence of float
  * operations whatever M is, wherever row m falls in a tile of MT rows, and whatever the thread
@@ -46,8 +50,9 @@
  * where the build has AVX-512 F/BW/VL + VNNI besides AVX2's set), ISA_AVX2 (AVX2+FMA+F16C) or
  * ISA_SCALAR (plain C, the same math summed in another order). Each is a table in pick(); an
  * entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up in a
- * table of their block's float weights (one permute per 16 codes, see b32_weights512), its q8 is
- * AVX2's with VNNI; the activations' quantization and the dequantization are AVX2's on it. */
+ * table of their block's float weights (one permute per 16 codes, see b32_weights512), its q8 of
+ * the runs of 32 is AVX2's with VNNI; the activations' quantization, the K-quants' q8 and the
+ * dequantization are AVX2's on it. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -79,7 +84,8 @@ enum { ERR_TYPE = -1, ERR_SHAPE = -2, ERR_ISA = -3, ERR_NOMEM = -4 };
 #define PREFETCH_ROWS 4  /* the first tile fetches weight rows this far ahead (+15% on the LM head) */
 #define MAX_SEG 4
 #define X32_BYTES 36     /* quantized x per 32 values: float d | int8 q[32] */
-#define XK_BYTES 292     /* per 256: float d | int16 bsum[16] (sums of 16 codes) | int8 q[256] */
+#define XK_BYTES 320     /* per 256: float d[8] (one per 32) | int16 bsum[16] (sums of 16 codes) | int8 q[256] */
+#define XK_Q 64          /* where the 256-form's codes start */
 #define ALWAYS static inline __attribute__((always_inline))
 
 /* 0 for a type this file does not multiply */
@@ -241,19 +247,30 @@ static float b32_decode_scalar(int type, const uint8_t *w, int64_t g, int8_t *q)
 
 /* ---- quantizing a row of x; both ISAs write identical bytes (exact max, one rounding, RNE) ---- */
 
-static void quant_x_scalar(const float *x, int64_t K, int group, uint8_t *dst) {
-    int stride = group == 32 ? X32_BYTES : XK_BYTES;
-    for (int64_t g = 0; g < K / group; g++, x += group, dst += stride) {
+static void quant_x_scalar(const float *x, int64_t K, uint8_t *dst) {
+    for (int64_t g = 0; g < K / 32; g++, x += 32, dst += X32_BYTES) {
         float amax = 0.0f;
-        for (int i = 0; i < group; i++) amax = fmaxf(amax, fabsf(x[i]));
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
         float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int8_t *q = (int8_t *)(dst + (group == 32 ? 4 : 36));
-        for (int i = 0; i < group; i++) q[i] = (int8_t)rintf(x[i] * id);
+        int8_t *q = (int8_t *)(dst + 4);
+        for (int i = 0; i < 32; i++) q[i] = (int8_t)rintf(x[i] * id);
         memcpy(dst, &d, 4);
-        for (int s = 0; group == 256 && s < 16; s++) {
+    }
+}
+
+/* the 256-form from the 32-form's bytes of the same row (identical scales and codes): per 256,
+ * the eight scales, the sums of every 16 codes, the codes */
+static void x32_to_xk(const uint8_t *x32, int64_t K, uint8_t *dst) {
+    for (int64_t b = 0; b < K / 256; b++, dst += XK_BYTES) {
+        int8_t *q = (int8_t *)(dst + XK_Q);
+        for (int j = 0; j < 8; j++, x32 += X32_BYTES) {
+            memcpy(dst + 4 * j, x32, 4);
+            memcpy(q + 32 * j, x32 + 4, 32);
+        }
+        for (int s = 0; s < 16; s++) {
             int16_t t = 0;
             for (int i = 0; i < 16; i++) t = (int16_t)(t + q[16 * s + i]);
-            memcpy(dst + 4 + 2 * s, &t, 2);
+            memcpy(dst + 32 + 2 * s, &t, 2);
         }
     }
 }
@@ -300,18 +317,20 @@ static float k_f32_row(int type, const uint8_t *w, int64_t nb, const float *x) {
 }
 
 static float k_q8_row(int type, const uint8_t *w, int64_t nb, const uint8_t *x) {
-    float acc = 0.0f, dx;
+    float acc = 0.0f, dx[8];
     int16_t bsum[16];
     kblock k;
     for (int64_t b = 0; b < nb; b++, x += XK_BYTES) {
-        const int8_t *xq = (const int8_t *)(x + 36);
+        const int8_t *xq = (const int8_t *)(x + XK_Q);
         k_decode_scalar(type, w + b * block_bytes(type), &k);
-        int32_t s = 0, smin = 0;
-        for (int j = 0; j < 256; j++) s += k.sc[j / 16] * k.q[j] * xq[j];
-        memcpy(bsum, x + 4, 32);
-        for (int g = 0; g < 16; g++) smin += k.mn[g] * bsum[g];
-        memcpy(&dx, x, 4);
-        acc += (float)s * (k.d * dx) - (float)smin * (k.dmin * dx);
+        memcpy(dx, x, 32);
+        memcpy(bsum, x + 32, 32);
+        for (int c = 0; c < 8; c++) { /* 32 values: one scale of x, two 16s of the weight's */
+            int32_t s = 0, smin = 0;
+            for (int j = 32 * c; j < 32 * c + 32; j++) s += k.sc[j / 16] * k.q[j] * xq[j];
+            smin = k.mn[2 * c] * bsum[2 * c] + k.mn[2 * c + 1] * bsum[2 * c + 1];
+            acc += (float)s * (k.d * dx[c]) - (float)smin * (k.dmin * dx[c]);
+        }
     }
     return acc;
 }
@@ -588,64 +607,51 @@ ALWAYS void k_q8_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x, 
     EACH_ROW(i) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         k_decode_avx2(type, w + b * block_bytes(type), &k, 0);
-        __m256i isum[MT]; /* exact: |sum| < 2^31 for 6-bit codes, 8-bit scales and x */
-        EACH_ROW(i) isum[i] = _mm256_setzero_si256();
+        /* mins: int32 lane c of madd(mn, bsum) covers codes 32c..32c+31, x's run c */
+        __m256i mn = _mm256_load_si256((const __m256i *)k.mn);
+        EACH_ROW(i) {
+            const uint8_t *xb = x + i * ldx + b * XK_BYTES;
+            __m256 dx = _mm256_loadu_ps((const float *)xb);
+            __m256i smin = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + 32)));
+            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin),
+                                      _mm256_mul_ps(_mm256_set1_ps(k.dmin), dx), acc[i]);
+        }
         for (int c = 0; c < 8; c++) { /* 32 codes: int16 lanes 0-7 take scale 2c, 8-15 2c+1 */
             __m256i q = _mm256_load_si256((const __m256i *)(k.q + 32 * c));
             __m256i sc = type != T_Q6_K ? _mm256_set1_epi16(k.sc[2 * c])
                                         : _mm256_set_m128i(_mm_set1_epi16(k.sc[2 * c + 1]),
                                                            _mm_set1_epi16(k.sc[2 * c]));
-            EACH_ROW(i) {
-                const __m256i *xq = (const __m256i *)(x + i * ldx + b * XK_BYTES + 36);
-                __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256(xq + c));
-                isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(p, sc));
+            EACH_ROW(i) { /* exact: |sum| < 2^31 for 6-bit codes, 8-bit scales and x */
+                const uint8_t *xb = x + i * ldx + b * XK_BYTES;
+                const __m256i *xq = (const __m256i *)(xb + XK_Q);
+                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(xq + c)), sc);
+                __m256 d = _mm256_set1_ps(k.d * ((const float *)xb)[c]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[i]);
             }
-        }
-        __m256i mn = _mm256_load_si256((const __m256i *)k.mn);
-        EACH_ROW(i) {
-            const uint8_t *xb = x + i * ldx + b * XK_BYTES;
-            float dx;
-            memcpy(&dx, xb, 4);
-            __m256i smin = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + 4)));
-            __m256 sd = _mm256_set1_ps(k.d * dx), sm = _mm256_set1_ps(k.dmin * dx);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), sd, acc[i]);
-            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), sm, acc[i]);
         }
     }
     EACH_ROW(i) out[i] = hsum8(acc[i]);
 }
 
-static void quant_x_avx2(const float *x, int64_t K, int group, uint8_t *dst) {
-    int stride = group == 32 ? X32_BYTES : XK_BYTES;
+static void quant_x_avx2(const float *x, int64_t K, uint8_t *dst) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* undoes packs' lane mix */
-    for (int64_t g = 0; g < K / group; g++, x += group, dst += stride) {
+    for (int64_t g = 0; g < K / 32; g++, x += 32, dst += X32_BYTES) {
         __m256 mx = _mm256_setzero_ps();
-        for (int i = 0; i < group; i += 8)
+        for (int i = 0; i < 32; i += 8)
             mx = _mm256_max_ps(mx, _mm256_and_ps(_mm256_loadu_ps(x + i), absmask));
         __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
         float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
         __m256 idv = _mm256_set1_ps(id);
-        int8_t *q = (int8_t *)(dst + (group == 32 ? 4 : 36));
-        for (int i = 0; i < group; i += 32) {
-            __m256i v[4];
-            for (int j = 0; j < 4; j++)
-                v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), idv));
-            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
-                                           _mm256_packs_epi32(v[2], v[3]));
-            _mm256_storeu_si256((__m256i *)(q + i), _mm256_permutevar8x32_epi32(p, order));
-        }
+        __m256i v[4];
+        for (int k = 0; k < 4; k++)
+            v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), idv));
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
+                                       _mm256_packs_epi32(v[2], v[3]));
+        _mm256_storeu_si256((__m256i *)(dst + 4), _mm256_permutevar8x32_epi32(p, order));
         memcpy(dst, &d, 4);
-        for (int s = 0; group == 256 && s < 16; s++) { /* exact integer sums, as in the scalar */
-            __m128i q16 = _mm_loadu_si128((const __m128i *)(q + 16 * s));
-            __m256i v = _mm256_madd_epi16(_mm256_cvtepi8_epi16(q16), _mm256_set1_epi16(1));
-            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-            t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
-            int16_t sum = (int16_t)(_mm_cvtsi128_si32(t) + _mm_extract_epi32(t, 1));
-            memcpy(dst + 4 + 2 * s, &sum, 2);
-        }
     }
 }
 #endif /* HAVE_AVX2 */
@@ -654,8 +660,9 @@ static void quant_x_avx2(const float *x, int64_t K, int group, uint8_t *dst) {
 /* ---- AVX-512 (F, BW, VL) + VNNI, on top of the AVX2 helpers ----
  * Zen 4 runs a 512-bit op as two 256-bit halves: the gain is in fewer instructions, not wider
  * FLOPs. f32: the 4- and 5-bit codes index a table of their block's 16 (32) float weights, one
- * permute per 16 codes where AVX2 widens, converts and scales; q8: VNNI's dpbusd / dpwssd stand
- * for AVX2's maddubs + madd (+ add), on the same exact integers, so q8 equals AVX2 bit for bit. */
+ * permute per 16 codes where AVX2 widens, converts and scales; q8 of the runs of 32: VNNI's
+ * dpbusd stands for AVX2's maddubs + madd, on the same exact integers, so q8 equals AVX2 bit for
+ * bit (the K-quants' q8 is AVX2's kernel itself). */
 
 static inline float hsum16(__m512 v) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
@@ -874,58 +881,6 @@ ALWAYS void k_f32_avx512(int type, const uint8_t *w, int64_t nb, const uint8_t *
     EACH_ROW(i) out[i] = hsum16(acc[i]);
 }
 
-/* int16 lane l of the 64 codes 64c..64c+63 after maddubs covers codes 2l, 2l+1: group 4c + l/8 */
-static const int16_t K_SCALE_LANES[4][32] __attribute__((aligned(64))) = {
-#define LANES(c)                                                                               \
-    {4 * c,     4 * c,     4 * c,     4 * c,     4 * c,     4 * c,     4 * c,     4 * c,       \
-     4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1,   \
-     4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2,   \
-     4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3}
-    LANES(0), LANES(1), LANES(2), LANES(3)
-#undef LANES
-};
-
-/* k_q8_avx2 on 64 codes a step, VNNI's dpwssd fusing the scale's madd with the add. Int32 lane j
- * of a 512-bit sum holds codes 64c + 4j..4j+3; its two halves added give lane j the codes
- * 32c + 4j..4j+3 over all c, AVX2's lane j: the same exact integers, so the same floats. */
-ALWAYS void k_q8_avx512(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,
-                        int mt, float *out) {
-    _Alignas(64) kblock k;
-    __m256 acc[MT];
-    EACH_ROW(i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        k_decode_avx2(type, w + b * block_bytes(type), &k, 0);
-        __m512i sc16 = _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)k.sc));
-        __m512i isum[MT]; /* exact: |sum| < 2^31 for 6-bit codes, 8-bit scales and x */
-        EACH_ROW(i) isum[i] = _mm512_setzero_si512();
-        for (int c = 0; c < 4; c++) {
-            /* two 256-bit loads: each reads what one store of the decode wrote (forwarded) */
-            __m512i q = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_load_si256((const __m256i *)(k.q + 64 * c))),
-                _mm256_load_si256((const __m256i *)(k.q + 64 * c + 32)), 1);
-            __m512i sc = _mm512_permutexvar_epi16(
-                _mm512_load_si512((const __m512i *)K_SCALE_LANES[c]), sc16);
-            EACH_ROW(i) {
-                const uint8_t *xq = x + i * ldx + b * XK_BYTES + 36 + 64 * c;
-                __m512i p = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const __m512i *)xq));
-                isum[i] = _mm512_dpwssd_epi32(isum[i], p, sc);
-            }
-        }
-        __m256i mn = _mm256_load_si256((const __m256i *)k.mn);
-        EACH_ROW(i) {
-            const uint8_t *xb = x + i * ldx + b * XK_BYTES;
-            float dx;
-            memcpy(&dx, xb, 4);
-            __m256i s = _mm256_add_epi32(_mm512_castsi512_si256(isum[i]),
-                                         _mm512_extracti64x4_epi64(isum[i], 1));
-            __m256i smin = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + 4)));
-            __m256 sd = _mm256_set1_ps(k.d * dx), sm = _mm256_set1_ps(k.dmin * dx);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), sd, acc[i]);
-            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), sm, acc[i]);
-        }
-    }
-    EACH_ROW(i) out[i] = hsum8(acc[i]);
-}
 #endif /* HAVE_AVX512 */
 
 /* ---- one function per (type, act, ISA); constant tile heights let the row loops unroll ---- */
@@ -969,7 +924,7 @@ static const tile_fn AVX2[2][N_TYPES] = {{TABLE(f32, avx2)}, {TABLE(q8, avx2)}};
 #endif
 #ifdef HAVE_AVX512
 TYPES(f32, avx512, TILE, b32_f32_avx512, k_f32_avx512)
-TYPES(q8, avx512, TILE, b32_q8_avx512, k_q8_avx512)
+TYPES(q8, avx512, TILE, b32_q8_avx512, k_q8_avx2) /* the K-quants' q8: AVX2's */
 static const tile_fn AVX512[2][N_TYPES] = {{TABLE(f32, avx512)}, {TABLE(q8, avx512)}};
 #endif
 
@@ -983,12 +938,13 @@ static tile_fn pick(int isa, int act, int type) {
     return isa == ISA_SCALAR ? SCALAR[act][type] : NULL;
 }
 
-static void quant_x(int isa, const float *x, int64_t K, int group, uint8_t *dst) {
+/* a row of x as the 32-form (both ISAs write identical bytes: exact max, one rounding, RNE) */
+static void quant_x(int isa, const float *x, int64_t K, uint8_t *dst) {
     (void)isa;
 #ifdef HAVE_AVX2
-    if (isa == ISA_AVX2 || isa == ISA_AVX512) { quant_x_avx2(x, K, group, dst); return; }
+    if (isa == ISA_AVX2 || isa == ISA_AVX512) { quant_x_avx2(x, K, dst); return; }
 #endif
-    quant_x_scalar(x, K, group, dst);
+    quant_x_scalar(x, K, dst);
 }
 
 static inline void prefetch(const uint8_t *p, int64_t bytes) {
@@ -1007,7 +963,7 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
     int64_t ns[MAX_SEG] = {0};
     tile_fn fn[MAX_SEG] = {0};
     int64_t nb[MAX_SEG] = {0}, rb[MAX_SEG] = {0}, col0[MAX_SEG], nch[MAX_SEG], total = 0, col = 0;
-    int need32 = 0, needk = 0;
+    int needk = 0;
     if (nseg < 0 || nseg > MAX_SEG) return ERR_SHAPE;
     for (int s = 0; s < nseg; s++) {
         ws[s] = (const uint8_t *)(intptr_t)segs[3 * s];
@@ -1027,12 +983,12 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
         if (!(fn[s] = pick((int)isa, (int)act, ts[s]))) return ERR_ISA;
         nb[s] = K / be;
         rb[s] = nb[s] * block_bytes(ts[s]);
-        need32 |= runs32(ts[s]) != 0;
         needk |= runs32(ts[s]) == 0;
     }
     if (M <= 0 || total == 0) return 0;
     /* quantized x: M rows of the 32-form, then M rows of the 256-form (those needed) */
-    int64_t r32 = need32 ? K / 32 * X32_BYTES : 0, rk = needk ? K / 256 * XK_BYTES : 0;
+    /* (the 256-form is made from the 32-form's bytes, so that one is always there) */
+    int64_t r32 = K / 32 * X32_BYTES, rk = needk ? K / 256 * XK_BYTES : 0;
     size_t need = act == ACT_Q8 ? (size_t)(M * (r32 + rk)) : 0;
     _Alignas(64) uint8_t stack[65536]; /* on the caller's stack: M = 32 at K = 640 fits */
     uint8_t *xq = need <= sizeof(stack) ? stack : malloc(need);
@@ -1042,8 +998,8 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
         if (act == ACT_Q8) {
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) {
-                if (need32) quant_x((int)isa, x + m * ldx, K, 32, xq + m * r32);
-                if (needk) quant_x((int)isa, x + m * ldx, K, 256, xq + M * r32 + m * rk);
+                quant_x((int)isa, x + m * ldx, K, xq + m * r32);
+                if (needk) x32_to_xk(xq + m * r32, K, xq + M * r32 + m * rk);
             }
         }
 #pragma omp for schedule(static)

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tidal.worker.gate")
 
 # Bump when the gate's arithmetic or held-out scoring changes, so old verdicts stop matching.
-GATE_VERSION = 2  # 2: GGUF-block schemes are measured against the same blocks in float mode
+# 2: GGUF-block schemes are measured against the same blocks in float mode; 3: gguf-q8's K-quants
+# read activations with a scale per 32 values (was per 256), so its old verdicts are stale.
+GATE_VERSION = 3
 
 
 @dataclass(frozen=True, slots=True)
