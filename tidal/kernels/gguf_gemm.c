@@ -31,8 +31,8 @@
  *   32-form); the K-quants read the same codes and scales regrouped per 256 with the sums of every
  *   16 codes (the 256-form), and scale each 32 values' integer sum by its own scale. ggml's Q8_K
  *   has one scale per 256 there: on the bundled model that read +0.32% perplexity against +0.12%
- *   (top-1 agreement 95.3% against 97.3%; docs/quantization.md), for 10-35% more time in the
- *   K-quant kernels. Dot products run on integer SIMD (AVX2 maddubs/madd, AVX-512 VNNI dpbusd for
+ *   (top-1 agreement 95.3% against 97.3%; docs/quantization.md), for ~20% more time in the
+ *   Q4_K kernel at M = 1 (none from 8 rows up). Dot products run on integer SIMD (AVX2 maddubs/madd, AVX-512 VNNI dpbusd for
  *   the runs of 32; the K-quants run AVX2's kernel on AVX-512 machines too): slightly different
  *   numbers from float. The integer sums are exact on every path (no int16 saturation: the sign
  *   trick bounds maddubs' pairs), so AVX2 and AVX-512 give the same q8 bits.
@@ -609,12 +609,14 @@ ALWAYS void k_q8_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x, 
         k_decode_avx2(type, w + b * block_bytes(type), &k, 0);
         /* mins: int32 lane c of madd(mn, bsum) covers codes 32c..32c+31, x's run c */
         __m256i mn = _mm256_load_si256((const __m256i *)k.mn);
+        __m256 dv = _mm256_set1_ps(k.d), dmv = _mm256_set1_ps(k.dmin);
+        _Alignas(32) float dd[MT][8]; /* d * x's scale of each run, per row */
         EACH_ROW(i) {
             const uint8_t *xb = x + i * ldx + b * XK_BYTES;
             __m256 dx = _mm256_loadu_ps((const float *)xb);
+            _mm256_store_ps(dd[i], _mm256_mul_ps(dv, dx));
             __m256i smin = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + 32)));
-            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin),
-                                      _mm256_mul_ps(_mm256_set1_ps(k.dmin), dx), acc[i]);
+            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), _mm256_mul_ps(dmv, dx), acc[i]);
         }
         for (int c = 0; c < 8; c++) { /* 32 codes: int16 lanes 0-7 take scale 2c, 8-15 2c+1 */
             __m256i q = _mm256_load_si256((const __m256i *)(k.q + 32 * c));
@@ -625,8 +627,7 @@ ALWAYS void k_q8_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x, 
                 const uint8_t *xb = x + i * ldx + b * XK_BYTES;
                 const __m256i *xq = (const __m256i *)(xb + XK_Q);
                 __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(xq + c)), sc);
-                __m256 d = _mm256_set1_ps(k.d * ((const float *)xb)[c]);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[i]);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&dd[i][c]), acc[i]);
             }
         }
     }
