@@ -51,7 +51,7 @@ class EngineCore:
         self,
         config: EngineConfig,
         loaded: LoadedModel,
-        tokenizer,  # tidal.loader.tokenizer.Tokenizer
+        tokenizer,  # tidal.loader.tokenizer.Tokenizer, or a decode-only TokenDecoder
         clock: Callable[[], float] = time.monotonic,
         on_step: Callable[[StepStats], None] | None = None,
         make_executor: Callable[..., ModelRunner] | None = None,

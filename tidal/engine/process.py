@@ -76,7 +76,8 @@ def run_engine_process(
     phases = _Phases(entered_at)
     phases.mark("import")
     try:
-        core = build_engine(config, progress=log.info, on_group_lost=_group_lost)
+        # The API process tokenizes; this process only decodes.
+        core = build_engine(config, progress=log.info, on_group_lost=_group_lost, decode_only=True)
         phases.mark("build")
         if warmup:
             _warm_up(core)
@@ -157,7 +158,9 @@ def _warm_up(core) -> None:  # core: EngineCore
     because it is on the kill-to-ready path: its cost is mostly first-touching the weights."""
     from tidal.sampling_params import SamplingParams
 
-    ids = core.tokenizer.encode("Hello")[: max(1, core.max_model_len - 8)] or [0]
+    # Two prompt tokens (the tokenizer here may only decode): BOS when the model has one.
+    bos = core.tokenizer.bos_token_id
+    ids = [0 if bos is None else bos, 0][: max(1, core.max_model_len - 8)]
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=1)
     core.add_request("warmup-0", ids, params)
     while core.has_unfinished():

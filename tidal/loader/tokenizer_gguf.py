@@ -205,7 +205,7 @@ def _merges_from_vocab(
 # ---------------------------------------------------------------- byte-level BPE vocabularies
 
 
-def _byte_alphabet() -> dict[int, str]:
+def byte_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable character table (printable bytes map to themselves)."""
     printable = [
         *range(ord("!"), ord("~") + 1),
@@ -226,7 +226,7 @@ def _build_bpe(
 ) -> tuple[Tokenizer, dict[str, int]]:
     """A `tokenizer.ggml.model == "gpt2"` vocabulary: BPE over the pieces `rule` splits text into."""
     if rule.byte_level:
-        table = _byte_alphabet()
+        table = byte_alphabet()
         alphabet = set(table.values())
         spelled = []
         for token, token_type in zip(tokens, types, strict=True):
@@ -356,13 +356,19 @@ def _write_cache(
     cache_path: Path, key: _SourceKey, tok: Tokenizer, info: GGUFTokenizerInfo
 ) -> bool:
     doc = {"source": asdict(key), "info": asdict(info), "tokenizer": tok.to_str()}
+    return write_cache_file(cache_path, [json.dumps(doc, ensure_ascii=False).encode("utf-8")])
+
+
+def write_cache_file(cache_path: Path, parts: Sequence[bytes]) -> bool:
+    """Write `parts` to cache_path atomically (temp file + rename); False if it cannot be written."""
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         # Write then rename, so a concurrent reader never sees half a file.
         fd, tmp = tempfile.mkstemp(dir=cache_path.parent, prefix=cache_path.name, suffix=".tmp")
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f, ensure_ascii=False)
+            with os.fdopen(fd, "wb") as f:
+                for part in parts:
+                    f.write(part)
             os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache holds nothing secret
             os.replace(tmp, cache_path)
         except BaseException:

@@ -60,7 +60,11 @@ class GrammarMatchers:
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:
-            self._tokenizer = _ll_tokenizer(self._source, self.vocab_size, self.eos_token_ids)
+            source = self._source
+            # A decode-only tokenizer (tidal.loader.token_decoder) loads the full one on demand.
+            if getattr(source, "hf", None) is None and hasattr(source, "load_full"):
+                source = source.load_full()
+            self._tokenizer = _ll_tokenizer(source, self.vocab_size, self.eos_token_ids)
         return self._tokenizer
 
     def _compile(self, spec: StructuredOutputs) -> llguidance.LLMatcher:

@@ -77,6 +77,7 @@ def _preimport(config: EngineConfig) -> None:
         import safetensors.torch  # noqa: F401  (the weight cache reader)
 
         import tidal.engine.builder  # noqa: F401  (torch, EngineCore)
+        import tidal.loader.token_decoder  # noqa: F401
         import tidal.loader.tokenizer  # noqa: F401
         from tidal.engine.builder import model_path
         from tidal.loader.model_loader import build_on_meta, read_arch
