@@ -9,7 +9,7 @@ stops the server. With --burst N it then sends N concurrent greedy completions o
 the peak as well. PSS splits each shared page between the processes that map it, so its sum is
 the tree's footprint; RSS counts a shared page once per process.
 
-    python scripts/measure_serve_memory.py [--port 18123] [--burst 12] [-- tidal serve arguments]
+    python scripts/measure_serve_memory.py [--port 18123] [--burst 12] [--maps 12] [-- tidal serve arguments]
 
 NOTE: another process that maps the same GGUF (a second server on this machine) shares its
 weight pages and lowers this tree's PSS; measure on a quiet machine.
@@ -94,6 +94,17 @@ def burst(base: str, root: psutil.Process, n: int, prompt_tokens: int, max_token
     }
 
 
+def print_largest_mappings(root: psutil.Process, n: int) -> None:
+    """Each process's n largest mappings by RSS ([heap], anonymous ones, libraries, the GGUF)."""
+    for p in [root, *root.children(recursive=True)]:
+        maps = sorted(p.memory_maps(grouped=False), key=lambda m: m.rss, reverse=True)
+        print(f"{p.pid}: {len(maps)} mappings, largest by RSS:")
+        for m in maps[:n]:
+            size_mib = (int(m.addr.split("-")[1], 16) - int(m.addr.split("-")[0], 16)) / 2**20
+            name = m.path or "[anonymous]"
+            print(f"  rss {m.rss / 2**20:7.1f} MiB of {size_mib:8.1f} MiB  {name[-60:]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=18123)
@@ -101,6 +112,9 @@ def main() -> int:
     parser.add_argument("--burst", type=int, default=0, help="concurrent requests after the first")
     parser.add_argument("--burst-prompt-tokens", type=int, default=1000)
     parser.add_argument("--burst-max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--maps", type=int, default=0, help="print each process's N largest mappings at the end"
+    )
     parser.add_argument("serve_args", nargs="*", help="passed to tidal serve after --")
     args = parser.parse_args()
     base = f"http://127.0.0.1:{args.port}"
@@ -124,6 +138,8 @@ def main() -> int:
             bursts = burst(base, root, args.burst, args.burst_prompt_tokens, args.burst_max_tokens)
             time.sleep(1.0)
             bursts["after_rss"] = tree_rss(root)
+        if args.maps > 0:
+            print_largest_mappings(root, args.maps)
     finally:
         proc.terminate()
         proc.wait(30)
