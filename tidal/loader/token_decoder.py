@@ -235,14 +235,15 @@ class TokenDecoder:
         return self._blob[self._offsets[i] : self._offsets[i + 1]].decode("utf-8")
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        blob, offsets, missing = self._blob, self._offsets, self._missing
+        skip = self._skip if skip_special_tokens else ()
+        last = len(offsets) - 1
         tokens = []
         for i in ids:
             i = int(i)
-            if skip_special_tokens and i in self._skip:
-                continue
-            token = self._token(i)
-            if token is not None:
-                tokens.append(token)
+            # Ids with no token (outside the vocabulary or unassigned) are dropped, as in tokenizers.
+            if 0 <= i < last and i not in skip and i not in missing:
+                tokens.append(blob[offsets[i] : offsets[i + 1]].decode("utf-8"))
         if self._steps is None:
             return " ".join(tokens)
         for step in self._steps:
