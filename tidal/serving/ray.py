@@ -51,7 +51,8 @@ class TidalEngine:
         from tidal.client.in_thread import InThreadEngineClient
         from tidal.engine.builder import build_engine
 
-        core = build_engine(config)
+        # The ingress deployment tokenizes; this replica only decodes.
+        core = build_engine(config, decode_only=True)
         self.client = InThreadEngineClient(core)
         self.ready = EngineReady(
             pid=os.getpid(),
