@@ -3,7 +3,7 @@
 The engine process of `tidal serve` never encodes (the API process does), yet a full
 `tokenizers.Tokenizer` for a 262k-token vocabulary holds ~95 MB there (vocabulary and merge
 maps, pre-tokenizer state). `TokenDecoder` keeps what decoding reads: every token's string as one
-UTF-8 blob with offsets (~4 MB for Gemma 3's vocabulary), the added tokens that count as
+UTF-8 blob with offsets (3.4 MB for Gemma 3's vocabulary), the added tokens that count as
 special, and the decoder steps of the tokenizer's `decode_chain`, re-implemented here:
 Sequence, Replace (string pattern), ByteFallback, Fuse, Strip, ByteLevel and Metaspace; no
 decoder joins tokens with spaces, as `tokenizers` does. Anything else raises `UnsupportedDecoder`.
