@@ -110,7 +110,7 @@ def load_gguf_tokenizer(
     """
     model_path = Path(path)
     key = _source_key(model_path)
-    for cache_path in _cache_candidates(model_path):
+    for cache_path in cache_candidates(model_path):
         cached = _read_cache(cache_path, key)
         if cached is not None:
             return cached
@@ -119,7 +119,7 @@ def load_gguf_tokenizer(
             tok, info = build_gguf_tokenizer(opened)
     else:
         tok, info = build_gguf_tokenizer(gguf)
-    for cache_path in _cache_candidates(model_path):
+    for cache_path in cache_candidates(model_path):
         if _write_cache(cache_path, key, tok, info):
             break
     return tok, info
@@ -334,12 +334,15 @@ def tidal_cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tidal"
 
 
-def _cache_candidates(model_path: Path) -> Sequence[Path]:
-    beside = model_path.with_name(model_path.name + CACHE_SUFFIX)
+def cache_candidates(model_path: Path, suffix: str = CACHE_SUFFIX) -> Sequence[Path]:
+    """Where a cache derived from a checkpoint lives: beside a model file first, then under
+    tidal's cache directory (only there for a directory: never inside a user's HF folder)."""
     # The name is per absolute path; the recorded key still guards against a replaced file.
     digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
-    central = tidal_cache_dir() / "tokenizers" / f"{model_path.name}-{digest}{CACHE_SUFFIX}"
-    return (beside, central)
+    central = tidal_cache_dir() / "tokenizers" / f"{model_path.name}-{digest}{suffix}"
+    if model_path.is_dir():
+        return (central,)
+    return (model_path.with_name(model_path.name + suffix), central)
 
 
 def _read_cache(cache_path: Path, key: _SourceKey) -> tuple[Tokenizer, GGUFTokenizerInfo] | None:
