@@ -24,7 +24,8 @@ from tidal.kernels import paged_attention as pa
 pytestmark = pytest.mark.skipif(not pa.available(), reason="no C compiler: the reference runs")
 
 ISAS = [pytest.param(isa, id=name) for name, isa in pa.ISA_NAMES.items() if isa in pa.isas()]
-KV_FORMATS = ["f32", "bf16", "int8", "fp8"]
+KV_FORMATS = ["f32", "bf16", "f16", "int8", "fp8"]
+FLOAT_PAGES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 # Max |kernel - reference| on these unit-variance inputs (outputs are averages of V rows):
 # measured <= 2e-6 for float32 sums in another order (and a polynomial exp), any page format.
 ATOL = 1e-5
@@ -83,7 +84,7 @@ class Pool:
             self.k: torch.Tensor | QuantizedKV = QuantizedKV(data[0, 0], scale[0, 0], kv)
             self.v: torch.Tensor | QuantizedKV = QuantizedKV(data[0, 1], scale[0, 1], kv)
         else:
-            dtype = torch.bfloat16 if kv == "bf16" else torch.float32
+            dtype = FLOAT_PAGES[kv]
             self.k, self.v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         ids = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
         self.tables, at = [], 0
@@ -125,7 +126,7 @@ def stored_values(x: torch.Tensor, kv: str) -> torch.Tensor:
     if kv in ("int8", "fp8"):
         data, scale = quantize_kv(x, kv)
         return dequantize_kv(data, scale, kv, torch.float64)
-    return x.to(torch.bfloat16 if kv == "bf16" else torch.float32).double()
+    return x.to(FLOAT_PAGES[kv]).double()
 
 
 def naive(
@@ -263,6 +264,55 @@ def test_writes_match_the_reference_bit_for_bit(
     _assert_same_pages(got_pool, ref_pool)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_float16_pages_round_and_saturate_as_torch(kernel: CpuPagedAttention, isa: int) -> None:
+    """float16 pages: every finite float32 exponent, ties of the half's normal and subnormal
+    steps, its smallest subnormal and largest finite value, and values past it (saturated to
+    +-65504, infinities included), written by the kernel exactly as torch's clamp-and-convert
+    writes them. (NaN payloads are not compared: F16C keeps some of their bits, torch does not.)"""
+    dim = 16
+    g = torch.Generator().manual_seed(7)
+    bits = torch.randint(0, 0x7F800000, (4096,), generator=g, dtype=torch.int64).to(torch.int32)
+    random = bits.view(torch.float32) * torch.where(torch.rand(4096, generator=g) < 0.5, -1.0, 1.0)
+    step = 2.0**-24  # the half's subnormal step; a normal one at 1.0 is 2**-10
+    probes = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            step,
+            step / 2,
+            3 * step / 2,
+            5 * step / 2,
+            step * 1023.5,
+            2.0**-14,
+            1 + 2.0**-11,
+            1 + 3 * 2.0**-11,
+            65504.0,
+            65519.0,
+            65520.0,
+            1e6,
+            float("inf"),
+            -65520.0,
+            float("-inf"),
+            2049.0,
+            2051.0,
+            2.0**-25 * 1.0001,
+        ]  # fmt: skip
+    )
+    x = torch.cat([random, probes, -probes])
+    x = torch.cat([x, torch.zeros(-x.numel() % dim)]).reshape(-1, 1, dim)
+    seq = Seq(torch.randn(x.shape[0], 2, dim, generator=g), x, x.flip(0))
+    got_pool, ref_pool = (
+        Pool("f16", [x.shape[0]], 16, 1, dim),
+        Pool("f16", [x.shape[0]], 16, 1, dim),
+    )
+    run_step(kernel, got_pool, [seq], [(0, 0, x.shape[0])])
+    run_step(TorchPagedAttention(), ref_pool, [seq], [(0, 0, x.shape[0])])
+    _assert_same_pages(got_pool, ref_pool)
+    stored = got_pool.k[got_pool.tables[0][0]].reshape(-1, dim)[: x.shape[0]]
+    assert torch.isfinite(stored).all() and float(stored.abs().max()) == 65504.0
+
+
 # ---------------------------------------------------------------- batch invariance
 
 
@@ -294,7 +344,7 @@ def _prefill(
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kv", ["f32", "bf16", "int8", "fp8"])
+@pytest.mark.parametrize("kv", ["f32", "bf16", "f16", "int8", "fp8"])
 @pytest.mark.parametrize(
     ("window", "softcap"), [(None, None), (40, 30.0)], ids=["full", "window40-cap30"]
 )

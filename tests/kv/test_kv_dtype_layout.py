@@ -62,17 +62,33 @@ def test_small_head_dim_pays_relatively_more_for_scales() -> None:
     assert num_blocks_for_budget(i8, 1 << 20) == (1 << 20) // 17408 == 60
 
 
-def test_bfloat16_pages_are_half_of_float32() -> None:
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+def test_16_bit_pages_are_half_of_float32(kv: str) -> None:
     # A float32 model with 16-bit pages: 2 bytes an element whatever the compute dtype.
-    assert gemma_layout(4, "bfloat16").page_bytes == 2 * 3 * 16 * 256 * 2 == 49152
-    assert not gemma_layout(4, "bfloat16").quantized
-    assert num_blocks_for_budget(gemma_layout(4, "bfloat16"), GIB) == 21845
+    assert gemma_layout(4, kv).page_bytes == 2 * 3 * 16 * 256 * 2 == 49152
+    assert not gemma_layout(4, kv).quantized
+    assert num_blocks_for_budget(gemma_layout(4, kv), GIB) == 21845
+
+
+def test_float32_pages_under_16_bit_compute() -> None:
+    assert gemma_layout(2, "float32").page_bytes == gemma_layout(4).page_bytes == 98304
+
+
+def test_auto_is_float16_over_a_gguf_own_blocks() -> None:
+    from tidal.config.cache import resolve_kv_dtype
+
+    assert resolve_kv_dtype("auto", "gguf") == resolve_kv_dtype("auto", "gguf-q8") == "float16"
+    for scheme in ("none", "int8", "int4", "fp8"):
+        assert resolve_kv_dtype("auto", scheme) == "auto"  # the model's dtype
+    for kv in ("float32", "bfloat16", "int8"):
+        assert resolve_kv_dtype(kv, "gguf") == kv
 
 
 def test_unknown_kv_dtype_is_refused() -> None:
     with pytest.raises(
         ValueError,
-        match="kv_cache_dtype='int4' is invalid: expected one of auto, bfloat16, int8, fp8",
+        match="kv_cache_dtype='int4' is invalid: expected one of auto, float32, float16, bfloat16, "
+        "int8, fp8",
     ):
         gemma_layout(2, "int4")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp16' is invalid: expected one of auto"):

@@ -62,12 +62,14 @@ def test_logits_and_greedy_match_transformers(bundled, request):
         assert out == case["greedy_ids"], case["name"]
 
 
-@pytest.mark.parametrize("kv_dtype", ["auto", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["auto", "float16", "bfloat16"])
 def test_engine_batch_chunked_preempted_matches_transformers(bundled, bundled_gguf, kv_dtype):
     """16 concurrent requests of mixed lengths through the engine with chunked prefill, a KV pool
     small enough to force preemption, and shared prefixes: the fixture prompts still produce
-    exactly transformers' greedy tokens (which it computed one sequence at a time). Also with
-    bfloat16 pages (`--kv-cache-dtype bfloat16`, half the KV bytes)."""
+    exactly transformers' greedy tokens (which it computed one sequence at a time). With the
+    model's float32 pages ("auto" for an EngineCore built directly), and with float16 (what
+    build_engine resolves "auto" to over a GGUF's own blocks) and bfloat16 pages (half the KV
+    bytes)."""
     from tests.kv.pool_check import assert_pool_clean
     from tidal.config.cache import CacheConfig
     from tidal.config.engine import EngineConfig
@@ -76,7 +78,7 @@ def test_engine_batch_chunked_preempted_matches_transformers(bundled, bundled_gg
     from tidal.sampling_params import SamplingParams
 
     tok = load_tokenizer(bundled_gguf, "gemma3")
-    elem = 2 if kv_dtype == "bfloat16" else 4
+    elem = 2 if kv_dtype in ("float16", "bfloat16") else 4
     page = 2 * 3 * 16 * bundled.arch.num_kv_heads * bundled.arch.head_dim * elem
     config = EngineConfig(
         cache=CacheConfig(kv_cache_bytes=150 * page, kv_cache_dtype=kv_dtype),

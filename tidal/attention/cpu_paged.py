@@ -9,13 +9,19 @@ from tidal.attention.metadata import AttentionMetadata
 from tidal.attention.torch_paged import KVPages, TorchPagedAttention
 from tidal.kernels import paged_attention as kernel
 
-PAGE_TYPES = {torch.float32: kernel.KV_F32, torch.bfloat16: kernel.KV_BF16}
+PAGE_TYPES = {
+    torch.float32: kernel.KV_F32,
+    torch.bfloat16: kernel.KV_BF16,
+    torch.float16: kernel.KV_F16,
+}
+# Activations the kernel takes (it computes in float32; bfloat16 widens exactly)
+ACT_TYPES = (torch.float32, torch.bfloat16)
 QUANT_TYPES = {"int8": kernel.KV_INT8, "fp8": kernel.KV_FP8}
 
 
 class CpuPagedAttention:
     """TorchPagedAttention's interface and results (to float32 rounding). On CPU, with float32 or
-    bfloat16 activations and float32, bfloat16 or 8-bit pages, one kernel call writes the step's
+    bfloat16 activations and float32, bfloat16, float16 or 8-bit pages, one kernel call writes the step's
     K/V and attends every query in place, decode and mixed prefill+decode steps alike, with no
     Python loop over sequences; everything else (CUDA, other dtypes, no C compiler,
     TIDAL_KERNELS=0) runs the reference unchanged."""
@@ -68,7 +74,7 @@ def _kernel_forward(
         kv_type = PAGE_TYPES.get(k_cache.dtype)
         k_pages, v_pages, k_scales, v_scales = k_cache, v_cache, None, None
     dtype = q.dtype
-    if kv_type is None or dtype not in PAGE_TYPES:
+    if kv_type is None or dtype not in ACT_TYPES:
         return None
     if not (k_pages.is_contiguous() and v_pages.is_contiguous()):
         return None

@@ -6,13 +6,29 @@ from dataclasses import dataclass
 
 from tidal.config._check import check
 
-# The KV cache's storage choices: "auto" keeps the model's float dtype; "bfloat16" stores 16-bit
-# pages whatever the compute dtype (half of float32's bytes; keys and values are rounded to
-# nearest even when written, and widen exactly when read); the 8-bit ones store one byte per
-# element plus one float32 scale per (token, KV head), see tidal.attention.kv_quant.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8", "fp8")
+# The KV cache's storage choices: "auto" is float16 pages where the weights are a GGUF file's own
+# blocks (the CPU default for a GGUF, as llama.cpp's default KV type), else the model's float
+# dtype (see resolve_kv_dtype); "float32" keeps float pages under any compute dtype; "float16"
+# and "bfloat16" store 16-bit pages whatever the compute dtype (half of float32's bytes; keys and
+# values are rounded to nearest even when written, float16 saturating at +-65504, and widen
+# exactly when read); the 8-bit ones store one byte per element plus one float32 scale per
+# (token, KV head), see tidal.attention.kv_quant.
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8", "fp8")
 # The 8-bit ones, stored as codes and scales rather than a float tensor.
 QUANTIZED_KV_DTYPES = ("int8", "fp8")
+# Storage the accuracy gate need not measure: float pages, and float16's 11 significant bits
+# (relative rounding 2^-11 against GGUF weights' ~1e-2 and bfloat16's 2^-8; docs/quantization.md).
+UNGATED_KV_DTYPES = ("auto", "float32", "float16")
+
+
+def resolve_kv_dtype(kv_dtype: str, weight_scheme: str) -> str:
+    """The storage `kv_dtype` stands for under the resolved weight scheme: "auto" over a GGUF's
+    own blocks ("gguf", "gguf-q8") is "float16"; anything else is returned as it is."""
+    from tidal.config.quant import NATIVE_SCHEMES
+
+    if kv_dtype == "auto" and weight_scheme in NATIVE_SCHEMES:
+        return "float16"
+    return kv_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +57,9 @@ class CacheConfig:
     prefix_ttl_s: float = 300.0
     # Requests with a session id keep their last N turns ahead of anonymous blocks (cache_window).
     session_turns: int = 4
-    # KV storage: "auto" is the model's dtype; "bfloat16" holds twice the tokens of float32;
-    # "int8" / "fp8" (e4m3) about twice those of bfloat16 (4x float32) in the same bytes, with a
-    # per-token, per-head scale.
+    # KV storage: "auto" is float16 over a GGUF's own blocks, else the model's dtype; "float16"
+    # and "bfloat16" hold twice the tokens of float32; "int8" / "fp8" (e4m3) about twice those
+    # of 16 bits (4x float32) in the same bytes, with a per-token, per-head scale.
     kv_cache_dtype: str = "auto"
     # NOTE: the two gate switches below cover model.quantization too; they sit here because this
     # session owns only this config section (see docs/quantization.md).

@@ -131,9 +131,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "turns kept per session_id ahead of anonymous cached blocks", "--session-turns"
     ),
     "memory.kv_cache_dtype": KeyDoc(
-        "KV cache storage: auto (the model's dtype), bfloat16 (half of float32's bytes), int8 "
-        "or fp8 (about twice the tokens of bfloat16 in the same bytes); all gated like "
-        "quantized weights",
+        "KV cache storage: auto (float16 over a GGUF's own blocks, else the model's dtype), "
+        "float32, float16 or bfloat16 (half of float32's bytes), int8 or fp8 (about twice the "
+        "tokens of 16 bits in the same bytes); bfloat16 and 8 bits gated like quantized weights",
         "--kv-cache-dtype",
     ),
     "memory.quantization_gate": KeyDoc(

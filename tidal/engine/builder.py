@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from tidal.config.cache import UNGATED_KV_DTYPES, resolve_kv_dtype
 from tidal.config.engine import EngineConfig
 from tidal.config.quant import NATIVE_SCHEMES, gate_needed, resolve_scheme
 from tidal.engine.core import EngineCore
@@ -82,6 +84,9 @@ def build_engine(
     dtype = resolve_dtype(config.weight_dtype, device)
     path = model_path(config)
     scheme = resolve_scheme(config.model.quantization, not Path(path).is_dir(), device.type)
+    kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, scheme)
+    if kv_dtype != config.cache.kv_cache_dtype:
+        config = replace(config, cache=replace(config.cache, kv_cache_dtype=kv_dtype))
     # Before loading: a refused mode fails in seconds (cached verdict) without holding two models.
     check_quantization(config, path, progress, scheme)
     if progress:
@@ -200,7 +205,7 @@ def check_quantization(
     from tidal.worker.gate_cache import load_verdict, save_verdict, verdict_key, verdict_of
 
     kv_dtype = config.cache.kv_cache_dtype
-    if not gate_needed(scheme) and kv_dtype == "auto":
+    if not gate_needed(scheme) and kv_dtype in UNGATED_KV_DTYPES:
         return
     say = progress or log.info
     mode = mode_name(scheme, kv_dtype)

@@ -53,7 +53,9 @@
 #define TIDAL_AVX512 0
 #endif
 
-enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
+enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3, KV_F16 = 4 };
+/* bytes per element of a page row */
+#define KV_ESZ(t) ((t) == KV_F32 ? 4 : ((t) == KV_BF16 || (t) == KV_F16) ? 2 : 1)
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 #define KB 16   /* keys per chunk: one softmax update per row per chunk; a multiple of 8 */
@@ -196,6 +198,36 @@ static inline uint16_t bf16_rne(float f) {
 
 static inline float bf16_f32(uint16_t h) { return f32_bits((uint32_t)h << 16); }
 
+/* float16 pages hold at most 65504 in magnitude: values beyond are saturated (NaN stays NaN),
+ * where a plain conversion would write an infinity; tidal.attention.torch_paged clamps alike */
+#define F16_MAX 65504.0f
+static inline float f16_clamp(float f) { return f > F16_MAX ? F16_MAX : f < -F16_MAX ? -F16_MAX : f; }
+
+/* float -> IEEE half, rounding to nearest even (c10's fp16_ieee_from_fp32_value for finite
+ * inputs up to 65504, so the bits match torch's .to(torch.float16)) */
+static inline uint16_t f16_rne(float f) {
+    uint32_t u = bits_f32(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return sign | 0x7E00u; /* NaN */
+    if (u < (113u << 23)) { /* below 2^-14: a subnormal half (or zero), rounded by the FPU */
+        const uint32_t magic = 126u << 23; /* 0.5f: its ulp is 2^-24, the half's subnormal step */
+        return sign | (uint16_t)(bits_f32(f32_bits(u) + f32_bits(magic)) - magic);
+    }
+    uint32_t odd = (u >> 13) & 1u;
+    return sign | (uint16_t)((u + 0xC8000FFFu + odd) >> 13); /* rebias 127 -> 15, round */
+}
+
+static inline float f16_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+    if (e == 0) { /* zero or subnormal: m * 2^-24, exact */
+        float v = (float)m * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    if (e == 31) return f32_bits(sign | 0x7F800000u | (m << 13));
+    return f32_bits(sign | ((e + 112u) << 23) | (m << 13));
+}
+
 /* float -> e4m3fn byte, rounding to nearest even: c10's fp8e4m3fn_from_fp32_value, so the
  * codes match torch's .to(torch.float8_e4m3fn) bit for bit */
 static inline uint8_t e4m3_from_f32(float f) {
@@ -228,6 +260,7 @@ ALWAYS_INLINE float load1(const void *base, int64_t i, int type) {
     switch (type) {
     case KV_F32: return ((const float *)base)[i];
     case KV_BF16: return bf16_f32(((const uint16_t *)base)[i]);
+    case KV_F16: return f16_f32(((const uint16_t *)base)[i]);
     case KV_INT8: return (float)((const int8_t *)base)[i];
     default: return e4m3_f32(((const uint8_t *)base)[i]);
     }
@@ -305,6 +338,7 @@ ALWAYS_INLINE __m256 load8(const void *base, int64_t i, int type) {
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
+    case KV_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + i)));
     case KV_INT8:
         return _mm256_cvtepi32_ps(
             _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)base + i))));
@@ -328,7 +362,7 @@ ALWAYS_INLINE void qk_block(const float *const *qr, int NR, const void *kbase, c
                             const int64_t *next, int kk0, int NK, int64_t D, int type, float *s) {
     __m256 acc[8]; /* pair (i, j) in acc[2 * i + j]; unused ones stay 0 */
     const uint8_t *kr[2], *pf[2];
-    int esz = type == KV_F32 ? 4 : type == KV_BF16 ? 2 : 1;
+    int esz = KV_ESZ(type);
     for (int j = 0; j < NK; j++) {
         kr[j] = (const uint8_t *)kbase + off[kk0 + j] * D * esz;
         pf[j] = (const uint8_t *)kbase + next[kk0 + j] * D * esz;
@@ -385,7 +419,7 @@ ALWAYS_INLINE void pv_block(float *acc, int64_t D, int NR, const float *alpha, c
                             const void *vbase, const int64_t *off, const int64_t *next, int kk0,
                             int kk1, int64_t d, int NV, int type) {
     __m256 a[4][2];
-    int esz = type == KV_F32 ? 4 : type == KV_BF16 ? 2 : 1;
+    int esz = KV_ESZ(type);
     for (int i = 0; i < NR; i++) {
         __m256 al = _mm256_set1_ps(alpha[i]);
         for (int c = 0; c < NV; c++)
@@ -472,6 +506,8 @@ ALWAYS_INLINE __m512 load16(const void *base, int64_t i, int type) {
         __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
+    case KV_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i)));
     case KV_INT8:
         return _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + i))));
@@ -531,7 +567,7 @@ ALWAYS_INLINE __m512 qk_block512(const float *const q[4], const uint8_t *const k
 ALWAYS_INLINE void qk_rows512(const float *const *qr, int nrows, const void *kbase,
                               const int64_t *off, const int64_t *next, int kk0, int kk1, int64_t D,
                               int type, float *s) {
-    int esz = type == KV_F32 ? 4 : type == KV_BF16 ? 2 : 1;
+    int esz = KV_ESZ(type);
     /* rows outer: the chunk's keys stay in L1 while every row block passes over them */
     for (int r = 0; r < nrows; r += 4) {
         int nr = nrows - r < 4 ? nrows - r : 4;
@@ -559,7 +595,7 @@ ALWAYS_INLINE void pv_block512(float *acc, int64_t D, int nr, const float *alpha
                                const void *vbase, const int64_t *off, const int64_t *next,
                                int kk0, int kk1, int64_t d, int NV, int type, int prefetch) {
     __m512 a[4][4];
-    int esz = type == KV_F32 ? 4 : type == KV_BF16 ? 2 : 1;
+    int esz = KV_ESZ(type);
     int ri[4];
     for (int i = 0; i < 4; i++) ri[i] = i < nr ? i : nr - 1;
     for (int i = 0; i < 4; i++) {
@@ -786,6 +822,7 @@ static void qk_rows(const prm_t *P, const void *kb, int type, const int64_t *off
         switch (type) {
         case KV_F32: qk_rows512(qr, nrows, kb, off, next, kk0, kk1, D, KV_F32, s); return;
         case KV_BF16: qk_rows512(qr, nrows, kb, off, next, kk0, kk1, D, KV_BF16, s); return;
+        case KV_F16: qk_rows512(qr, nrows, kb, off, next, kk0, kk1, D, KV_F16, s); return;
         case KV_INT8: qk_rows512(qr, nrows, kb, off, next, kk0, kk1, D, KV_INT8, s); return;
         default: qk_rows512(qr, nrows, kb, off, next, kk0, kk1, D, KV_FP8, s); return;
         }
@@ -796,6 +833,7 @@ static void qk_rows(const prm_t *P, const void *kb, int type, const int64_t *off
         switch (type) {
         case KV_F32: qk_rows_avx2(qr, nrows, kb, off, next, kk0, kk1, D, KV_F32, s); return;
         case KV_BF16: qk_rows_avx2(qr, nrows, kb, off, next, kk0, kk1, D, KV_BF16, s); return;
+        case KV_F16: qk_rows_avx2(qr, nrows, kb, off, next, kk0, kk1, D, KV_F16, s); return;
         case KV_INT8: qk_rows_avx2(qr, nrows, kb, off, next, kk0, kk1, D, KV_INT8, s); return;
         default: qk_rows_avx2(qr, nrows, kb, off, next, kk0, kk1, D, KV_FP8, s); return;
         }
@@ -814,6 +852,7 @@ static void pv_rows(const prm_t *P, const void *vb, int type, const int64_t *off
         switch (type) {
         case KV_F32: pv_rows512(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_F32); return;
         case KV_BF16: pv_rows512(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_BF16); return;
+        case KV_F16: pv_rows512(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_F16); return;
         case KV_INT8: pv_rows512(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_INT8); return;
         default: pv_rows512(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_FP8); return;
         }
@@ -824,6 +863,7 @@ static void pv_rows(const prm_t *P, const void *vb, int type, const int64_t *off
         switch (type) {
         case KV_F32: pv_rows_avx2(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_F32); return;
         case KV_BF16: pv_rows_avx2(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_BF16); return;
+        case KV_F16: pv_rows_avx2(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_F16); return;
         case KV_INT8: pv_rows_avx2(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_INT8); return;
         default: pv_rows_avx2(acc, nrows, D, alpha, p, vb, off, next, kk0, kk1, KV_FP8); return;
         }
@@ -836,7 +876,7 @@ static void pv_rows(const prm_t *P, const void *vb, int type, const int64_t *off
 #if TIDAL_AVX2
 ALWAYS_INLINE void widen_rows(const void *base, const int64_t *off, const int64_t *next, int kk0,
                               int kk1, int64_t D, int type, float *buf) {
-    int esz = type == KV_BF16 ? 2 : 1;
+    int esz = KV_ESZ(type);
     for (int kk = kk0; kk <= kk1; kk++) {
         const uint8_t *src = (const uint8_t *)base + off[kk] * D * esz;
         for (int64_t d = 0; d < D; d += 8) {
@@ -853,6 +893,7 @@ static void widen_chunk(const void *base, int type, const int64_t *off, const in
                         int kk0, int kk1, int64_t D, float *buf) {
     switch (type) {
     case KV_BF16: widen_rows(base, off, next, kk0, kk1, D, KV_BF16, buf); return;
+    case KV_F16: widen_rows(base, off, next, kk0, kk1, D, KV_F16, buf); return;
     case KV_INT8: widen_rows(base, off, next, kk0, kk1, D, KV_INT8, buf); return;
     default: widen_rows(base, off, next, kk0, kk1, D, KV_FP8, buf); return;
     }
@@ -1014,7 +1055,7 @@ ALWAYS_INLINE void pv_group_block512(float *acc, int64_t D, int nr, const float 
                                      int nc, const void *vbase, const int64_t *pfoff, int64_t d,
                                      int NV, int type) {
     __m512 a[4][4];
-    int esz = type == KV_F32 ? 4 : type == KV_BF16 ? 2 : 1;
+    int esz = KV_ESZ(type);
     int ri[4];
     for (int i = 0; i < 4; i++) ri[i] = i < nr ? i : nr - 1;
     for (int i = 0; i < 4; i++)
@@ -1073,6 +1114,7 @@ static void pv_group(const prm_t *P, int type, float *acc, int ra, int rb, const
     switch (type) {
     case KV_F32: pv_group512(acc, ra, rb, D, alpha, p, cstride, ch, nc, vbase, pfoff, KV_F32); return;
     case KV_BF16: pv_group512(acc, ra, rb, D, alpha, p, cstride, ch, nc, vbase, pfoff, KV_BF16); return;
+    case KV_F16: pv_group512(acc, ra, rb, D, alpha, p, cstride, ch, nc, vbase, pfoff, KV_F16); return;
     case KV_INT8: pv_group512(acc, ra, rb, D, alpha, p, cstride, ch, nc, vbase, pfoff, KV_INT8); return;
     default: pv_group512(acc, ra, rb, D, alpha, p, cstride, ch, nc, vbase, pfoff, KV_FP8); return;
     }
@@ -1221,6 +1263,22 @@ static void write_row(const prm_t *P, const float *x, int64_t idx, void *pages, 
     case KV_BF16: {
         uint16_t *dst = (uint16_t *)pages + idx * D;
         for (int64_t d = 0; d < D; d++) dst[d] = bf16_rne(x[d]);
+        return;
+    }
+    case KV_F16: {
+        uint16_t *dst = (uint16_t *)pages + idx * D;
+        int64_t d = 0;
+#if TIDAL_AVX2
+        if (P->isa != ISA_SCALAR) { /* F16C rounds to nearest even as f16_rne does */
+            const __m256 hi = _mm256_set1_ps(F16_MAX), lo = _mm256_set1_ps(-F16_MAX);
+            for (; d + 8 <= D; d += 8) {
+                __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(x + d))); /* NaN stays */
+                _mm_storeu_si128((__m128i *)(dst + d),
+                                 _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            }
+        }
+#endif
+        for (; d < D; d++) dst[d] = f16_rne(f16_clamp(x[d]));
         return;
     }
     default: break;

@@ -19,8 +19,9 @@ from tidal.kernels.isa import (  # noqa: F401
     capped_isa,
 )
 
-# Page formats the kernel reads (its kv_type argument).
-KV_F32, KV_BF16, KV_INT8, KV_FP8 = 0, 1, 2, 3
+# Page formats the kernel reads (its kv_type argument). float16 pages saturate at +-65504 on
+# write, as torch_paged does.
+KV_F32, KV_BF16, KV_INT8, KV_FP8, KV_F16 = 0, 1, 2, 3, 4
 # Code paths (its isa argument; the codes and names above, re-exported here): scalar, AVX2 and
 # AVX-512 (head dims that are a multiple of 16; others run AVX2 on it). TIDAL_KERNEL_ISA lowers
 # the default (=avx2 on an AVX-512 machine runs AVX2, =scalar the portable one).
@@ -98,7 +99,7 @@ def paged_attention(
     v_pages: torch.Tensor,
     k_scales: torch.Tensor | None,  # (num_blocks, block_size, KVH) float32, 8-bit pages only
     v_scales: torch.Tensor | None,
-    kv_type: int,  # KV_F32 | KV_BF16 | KV_INT8 | KV_FP8
+    kv_type: int,  # KV_F32 | KV_BF16 | KV_F16 | KV_INT8 | KV_FP8
     slot_mapping: torch.Tensor,  # (T,) int64
     block_tables: torch.Tensor,  # (S, W) int64
     seq_arrays: torch.Tensor,  # (3, S) int32: query_start, query_lens, context_lens

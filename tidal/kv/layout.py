@@ -7,6 +7,9 @@ from math import gcd
 
 from tidal.config.cache import KV_CACHE_DTYPES, QUANTIZED_KV_DTYPES
 
+# Bytes per element of the named float page types ("auto": the model dtype's)
+FLOAT_KV_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
 KV_SCALE_BYTES = 4
 
 
@@ -59,8 +62,8 @@ class KVLayout:
         head_dim 256 is 260/512 of float16's (1.97x the blocks) and 260/1024 of float32's."""
         if self.quantized:
             per_head = self.head_dim + KV_SCALE_BYTES
-        elif self.kv_dtype == "bfloat16":
-            per_head = self.head_dim * 2
+        elif self.kv_dtype in FLOAT_KV_BYTES:
+            per_head = self.head_dim * FLOAT_KV_BYTES[self.kv_dtype]
         else:
             per_head = self.head_dim * self.dtype_bytes
         return self.parts * self.layers_per_group * self.block_size * self.num_kv_heads * per_head

@@ -235,10 +235,10 @@ def enforce(report: GateReport, force: bool = False) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.quantization == "none" and args.kv_cache_dtype == "auto":
+    if args.quantization == "none" and args.kv_cache_dtype in ("auto", "float32"):
         raise ValueError(
             "quantize-check needs --quantization gguf|gguf-q8|int8|int4|fp8 or --kv-cache-dtype "
-            "int8|fp8: "
+            "float16|bfloat16|int8|fp8: "
             "with neither there is nothing to compare against the float model"
         )
     start = time.perf_counter()

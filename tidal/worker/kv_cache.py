@@ -8,6 +8,9 @@ from tidal.attention.kv_quant import QuantizedKV, allocate_quantized_pool
 from tidal.attention.page_memory import zeroed_pages
 from tidal.kv.layout import KVLayout
 
+# The float pages a named layout.kv_dtype stores ("auto": the model's dtype)
+FLOAT_KV_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 # Per layer (k_cache, v_cache): float tensors, or QuantizedKV pages when layout.kv_dtype is 8-bit;
 # a latent layout (layout.parts == 1, DeepSeek's MLA) gives each layer its one page tensor.
 KVCache = (
@@ -26,7 +29,7 @@ def allocate_kv_caches(
     null block 0 is read (and masked out) by sliding layers, and 0 * NaN would poison the output;
     on the CPU the zeros are lazily backed (attention/page_memory.py): a page that no token
     reaches costs no resident memory.
-    `dtype` is the float storage of layout.kv_dtype "auto"; "bfloat16" and 8-bit layouts ignore it.
+    `dtype` is the float storage of layout.kv_dtype "auto"; the other layouts ignore it.
     """
     shape = (
         layout.layers_per_group,
@@ -41,7 +44,7 @@ def allocate_kv_caches(
             *shape[:1], *shape[2:], layout.kv_dtype, device, parts=layout.parts
         )
     else:
-        storage = torch.bfloat16 if layout.kv_dtype == "bfloat16" else dtype
+        storage = FLOAT_KV_STORAGE.get(layout.kv_dtype, dtype)
         pool = zeroed_pages(shape, storage, device)
     caches: list[KVCache] = [None] * layout.num_layers  # type: ignore[list-item]
     for spec in layout.groups:
