@@ -215,7 +215,7 @@ def test_decodes_bank_slack_instead_of_an_inefficient_chunk() -> None:
 
 def test_auto_budget_on_cpu_without_target_and_fixed_elsewhere() -> None:
     model = StepCostModel(prior_s=(0.01, 0.002, 0.005, 0.0))
-    controller = BatchController(SchedulerConfig(), on_cpu=True, model=model)
+    controller = BatchController(SchedulerConfig(cpu_budget_step_ms=300), on_cpu=True, model=model)
     auto = controller.plan(StepLoad(2, 100, 2))
     # Two decodes, then the prefill that fits 300 ms: (0.3 - 0.01 - 2 * 0.005) / 0.002.
     assert auto.reason == "auto" and auto.prefill_tokens == 139 and auto.token_budget == 141
@@ -225,7 +225,10 @@ def test_auto_budget_on_cpu_without_target_and_fixed_elsewhere() -> None:
     assert (alone.reason, alone.token_budget) == ("no-decodes", 1024)
     off = SchedulerConfig(cpu_budget_step_ms=None)
     assert BatchController(off, on_cpu=True).plan(StepLoad(0, 0, 0)).reason == "fixed"
-    unchunked = SchedulerConfig(enable_chunked_prefill=False)
+    # The default: the fixed budget, decodes or not
+    default = BatchController(SchedulerConfig(), on_cpu=True).plan(StepLoad(2, 100, 2))
+    assert (default.reason, default.token_budget) == ("fixed", 1024)
+    unchunked = SchedulerConfig(cpu_budget_step_ms=300, enable_chunked_prefill=False)
     assert BatchController(unchunked, on_cpu=True).plan(StepLoad(0, 0, 0)).reason == "fixed"
 
 

@@ -70,10 +70,10 @@ TARGETS: dict[str, Target] = {
             "memory: float32 KV pages (twice the default float16's bytes over a GGUF's blocks)",
         ),  # fmt: skip
         Target(
-            "tidal-fixed-budget",
+            "tidal-cpu-budget-300",
             "tidal",
-            ("--cpu-budget-step-ms", "none"),
-            "ablation: a fixed 1024-token step budget instead of the cost model's on CPU",
+            ("--cpu-budget-step-ms", "300"),
+            "latency: steps of ~300 ms from the cost model while anything decodes (CPU)",
         ),  # fmt: skip
         Target("tidal-no-chunked-prefill", "tidal", ("--no-chunked-prefill",), "ablation"),
         Target("tidal-max-num-seqs-1", "tidal", ("--max-num-seqs", "1"), "ablation: no batching"),

@@ -24,9 +24,12 @@ class SchedulerConfig:
     # Raise the prefill share when a request waiting for its first token would miss this. None: none.
     target_ttft_ms: float | None = None
     # Without target_tpot_ms on a CPU: the budget is the prefill that fits a step of this length
-    # (a fixed 1024-token chunk takes ~1.7 s there and stalls every decode beside it). None: the
-    # fixed max_num_batched_tokens.
-    cpu_budget_step_ms: float | None = 300.0
+    # (a 1024-token chunk takes ~2 s on 2 cores and stalls every decode beside it). None (the
+    # default): the fixed max_num_batched_tokens, which served 1.4-1.7x the output tokens of 300
+    # ms steps at saturation, with lower p99 TTFT and mean TPOT (benchmarks/README.md): each
+    # step pays a fixed cost (every GGUF weight decoded for the prompt rows, the decodes' LM
+    # head rows) that small chunks repeat.
+    cpu_budget_step_ms: float | None = None
     # Split prompts longer than the remaining budget across steps, mixed with decodes.
     enable_chunked_prefill: bool = True
     # Waiting requests beyond this are rejected (finish reason "rejected"); None is unbounded.

@@ -81,9 +81,9 @@ class BatchController:
     TPOT is a request's mean, so the step may take longer while every decoding request has
     banked slack (_slack_s), and decodes alone when only an inefficient chunk would fit.
     With target_ttft_ms the prefill share rises when, at the planned rate, a request still
-    waiting for its first token would miss the target. Without targets on a CPU the budget is
-    what fits cpu_budget_step_ms while anything decodes; elsewhere, and in steps without
-    decodes, it is max_num_batched_tokens.
+    waiting for its first token would miss the target. Without targets on a CPU, when
+    cpu_budget_step_ms is set, the budget is what fits it while anything decodes; by default,
+    elsewhere, and in steps without decodes, it is max_num_batched_tokens.
     """
 
     def __init__(
