@@ -38,7 +38,9 @@ def test_the_content_as_written_is_cut_exactly() -> None:
         {"role": "assistant", "content": "Hello, how"},
     ]
     text = _rendered("chatml", messages)
-    assert _cut_after_final_message(text, "Hello, how").endswith("<|im_start|>assistant\nHello, how")
+    assert _cut_after_final_message(text, "Hello, how").endswith(
+        "<|im_start|>assistant\nHello, how"
+    )
 
 
 def test_a_template_that_rewrites_the_message_is_refused_with_the_field() -> None:

@@ -124,7 +124,6 @@ def test_protocol_builds_one_spec_per_request() -> None:
         parse_request(CompletionRequest, {"prompt": "x", "guided_json": "{"}).to_sampling_params()
 
 
-
 @pytest.mark.parametrize(
     ("extra", "param"), [({"ignore_eos": True}, "ignore_eos"), ({"min_tokens": 3}, "min_tokens")]
 )
@@ -143,7 +142,9 @@ def test_constraints_refuse_what_would_override_the_grammars_end(extra, param) -
         assert "structured output constraint" in str(e.value)
         # Unconstrained, the same setting is honoured as before.
         plain = {k: v for k, v in body.items() if k in ("prompt", "messages")}
-        assert parse_request(cls, {**plain, **extra}).to_sampling_params().structured_outputs is None
+        assert (
+            parse_request(cls, {**plain, **extra}).to_sampling_params().structured_outputs is None
+        )
 
 
 WEATHER = {
