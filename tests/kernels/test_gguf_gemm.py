@@ -311,3 +311,23 @@ def test_profiler_sees_the_kernel() -> None:
         gg.dequantize_rows(w, 0, 2)
     names = {e.name for e in prof.events()}
     assert {"tidal::gguf_gemm", "tidal::gguf_dequantize"} <= names
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("act", gg.ACTS)
+def test_long_rows_sliced_over_k_keep_every_rows_bits(isa: str, t: Q, act: str) -> None:
+    """Rows long enough that a tile's x outgrows L1: on AVX2 with float activations the kernel
+    walks K in slices (an uneven last one here: 129 runs of 32, 9 super-blocks), keeping each
+    accumulator between them. A row alone (one whole pass) and every tile height give the
+    same bits, and the values match float64."""
+    n, k = 19, _k_of(t, 129, 9)
+    w = weight(t, n, k, seed=11, random_bytes=True)
+    torch.manual_seed(11)
+    x = torch.randn(20, k)
+    full = gg.gguf_gemm(x, w, act, isa, threads=2)
+    check(full, x, w, act)
+    for m in (1, 2, 3, 5, 8, 11):
+        assert torch.equal(gg.gguf_gemm(x[:m], w, act, isa), full[:m]), f"M={m}"
+    for m in range(20):
+        assert torch.equal(gg.gguf_gemm(x[m : m + 1], w, act, isa), full[m : m + 1]), f"row {m}"
