@@ -1,11 +1,15 @@
 """Measure kill-to-ready: SIGKILL the engine process of a real `tidal serve` and time /ready.
 
 Each run starts a fresh `tidal serve` on 127.0.0.1 (the bundled model unless --model is given),
-waits until /ready is 200, sends one greedy completion, waits (up to --settle-s) until the
-standby engine process reports ready, SIGKILLs the engine process and polls /ready every 10 ms: the time it
-turns 503 and the time it is 200 again. The same greedy completion is then sent again and must
-return the same text. The engine's own phase line for the new incarnation (spawn, import, build,
-warmup) and the loader's line are printed as the breakdown, with the load average at the kill.
+waits until /ready is 200, sends one greedy completion, then --kills times: waits (up to
+--settle-s) until a standby engine process reports ready where one is expected, SIGKILLs the
+engine process and polls /ready every 10 ms: the time it turns 503 and the time it is 200 again.
+The same greedy completion is then sent again and must return the same text. The engine's own
+phase line for the new incarnation (spawn, import, build, warmup) and the loader's line are
+printed as the breakdown, with the load average at the kill.
+
+By default (server.standby null) the first kill restarts cold and later ones from the standby
+spawned after it; `-- --standby` has one from the start, `-- --no-standby` never.
 
     python scripts/measure_restart.py --runs 3
     python scripts/measure_restart.py --runs 1 -- --kv-cache-bytes 268435456
@@ -35,6 +39,7 @@ _PROMPT = "The tide comes in and"
 
 @dataclass(slots=True)
 class RunResult:
+    from_standby: bool
     kill_to_503_s: float
     kill_to_ready_s: float
     load_avg_at_kill: tuple[float, float, float]
@@ -125,43 +130,67 @@ def _wait_status(server: _Server, want: int, timeout_s: float) -> float:
     raise RuntimeError(f"/ready never answered {want}:\n{server.log}")
 
 
-def measure_once(serve_args: list[str], settle_s: float, timeout_s: float) -> RunResult:
+def _standby_expected(serve_args: list[str], kill: int) -> bool:
+    if "--no-standby" in serve_args:
+        return False
+    return "--standby" in serve_args or kill > 0  # the default: one after the first restart
+
+
+def measure_once(
+    serve_args: list[str], settle_s: float, timeout_s: float, kills: int
+) -> list[RunResult]:
     server = _Server(serve_args, timeout_s)
+    results = []
     try:
         _wait_status(server, 200, timeout_s)
-        m = server.find(r"engine process (\d+) ready \(incarnation 0,", 5.0)
-        if m is None:
-            raise RuntimeError(
-                "no engine pid in the log (is the engine process on?):\n" + server.log
-            )
-        pid = int(m.group(1))
         before = server.complete(_PROMPT)
-        # A real kill comes long after the start: let a standby engine finish importing first.
-        server.find(r"standby engine process \d+ ready", settle_s)
-        load_avg = os.getloadavg()
-        killed_at = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
-        down_at = _wait_status(server, 503, timeout_s)
-        up_at = _wait_status(server, 200, timeout_s)
-        after = server.complete(_PROMPT)
-        phases = server.find(r"engine phases \(incarnation 1[^)]*\): ([^\n]*)", 5.0)
-        loads = re.findall(r"\[engine\]: (model loaded [^\n]*)", server.log)
-        return RunResult(
-            kill_to_503_s=down_at - killed_at,
-            kill_to_ready_s=up_at - killed_at,
-            load_avg_at_kill=load_avg,
-            same_greedy_text=before == after,
-            engine_phases="" if phases is None else phases.group(1),
-            loader_line=loads[-1] if loads else "",
-            extra={"text": after},
-        )
+        for kill in range(kills):
+            m = server.find(rf"engine process (\d+) ready \(incarnation {kill},", 5.0)
+            if m is None:
+                raise RuntimeError(
+                    "no engine pid in the log (is the engine process on?):\n" + server.log
+                )
+            pid = int(m.group(1))
+            from_standby = False
+            if _standby_expected(serve_args, kill):
+                # A real kill comes long after the start: let the standby finish importing first.
+                ready = r"standby engine process \d+ ready"
+                deadline = time.monotonic() + settle_s
+                while (
+                    len(re.findall(ready, server.log)) <= kill - ("--standby" not in serve_args)
+                    and time.monotonic() < deadline
+                ):
+                    time.sleep(0.05)
+                from_standby = True
+            load_avg = os.getloadavg()
+            killed_at = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            down_at = _wait_status(server, 503, timeout_s)
+            up_at = _wait_status(server, 200, timeout_s)
+            after = server.complete(_PROMPT)
+            phases = server.find(rf"engine phases \(incarnation {kill + 1}[^)]*\): ([^\n]*)", 5.0)
+            loads = re.findall(r"\[engine\]: (model loaded [^\n]*)", server.log)
+            results.append(
+                RunResult(
+                    from_standby=from_standby,
+                    kill_to_503_s=down_at - killed_at,
+                    kill_to_ready_s=up_at - killed_at,
+                    load_avg_at_kill=load_avg,
+                    same_greedy_text=before == after,
+                    engine_phases="" if phases is None else phases.group(1),
+                    loader_line=loads[-1] if loads else "",
+                    extra={"text": after},
+                )
+            )
     finally:
         server.stop()
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=3, help="fresh servers, one kill each")
+    parser.add_argument("--runs", type=int, default=3, help="fresh servers")
+    parser.add_argument("--kills", type=int, default=2, help="engine kills per server, in turn")
     parser.add_argument("--model", default=None, help="checkpoint (default: the bundled model)")
     parser.add_argument(
         "--settle-s",
@@ -172,27 +201,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout-s", type=float, default=300.0, help="bound on every wait")
     parser.add_argument("serve_args", nargs="*", help="extra `tidal serve` arguments after --")
     args = parser.parse_args(argv)
-    if args.runs < 1:
-        raise ValueError(f"--runs={args.runs} is invalid: expected an integer >= 1")
+    if args.runs < 1 or args.kills < 1:
+        raise ValueError(f"--runs={args.runs}, --kills={args.kills}: expected integers >= 1")
     serve_args = list(args.serve_args)
     if args.model is not None:
         serve_args = ["--model", args.model, *serve_args]
     results = []
     for i in range(args.runs):
-        r = measure_once(serve_args, args.settle_s, args.timeout_s)
-        results.append(r)
-        la = ", ".join(f"{x:.2f}" for x in r.load_avg_at_kill)
-        print(
-            f"run {i + 1}: kill->503 {r.kill_to_503_s:.2f} s, kill->ready {r.kill_to_ready_s:.2f} s, "
-            f"same greedy text: {r.same_greedy_text}, load average {la}",
-            flush=True,
-        )
-        print(f"  engine: {r.engine_phases}", flush=True)
-        print(f"  loader: {r.loader_line}", flush=True)
-    ready = sorted(r.kill_to_ready_s for r in results)
-    print(
-        f"kill->ready: min {ready[0]:.2f} s, median {ready[len(ready) // 2]:.2f} s, max {ready[-1]:.2f} s"
-    )
+        for k, r in enumerate(measure_once(serve_args, args.settle_s, args.timeout_s, args.kills)):
+            results.append(r)
+            la = ", ".join(f"{x:.2f}" for x in r.load_avg_at_kill)
+            how = "from the standby" if r.from_standby else "cold"
+            print(
+                f"run {i + 1} kill {k + 1} ({how}): kill->503 {r.kill_to_503_s:.2f} s, "
+                f"kill->ready {r.kill_to_ready_s:.2f} s, same greedy text: "
+                f"{r.same_greedy_text}, load average {la}",
+                flush=True,
+            )
+            print(f"  engine: {r.engine_phases}", flush=True)
+            print(f"  loader: {r.loader_line}", flush=True)
+    for how in (False, True):
+        ready = sorted(r.kill_to_ready_s for r in results if r.from_standby is how)
+        if ready:
+            print(
+                f"kill->ready {'from the standby' if how else 'cold'}: min {ready[0]:.2f} s, "
+                f"median {ready[len(ready) // 2]:.2f} s, max {ready[-1]:.2f} s"
+            )
     print(json.dumps({"runs": [asdict(r) for r in results]}))
     return 0 if all(r.same_greedy_text for r in results) else 1
 

@@ -215,7 +215,7 @@ def _supervised_engine(cfg: TidalConfig, metrics):  # -> (EngineClient, model ro
             log_level=logging.getLogger().getEffectiveLevel(),
             # A standby process per replica would double the processes; while one replica
             # restarts cold, the others serve.
-            standby=server.standby and num_replicas == 1,
+            standby=server.standby if num_replicas == 1 else False,
         )
         for config in configs
     ]

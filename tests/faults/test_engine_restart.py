@@ -281,8 +281,9 @@ def test_a_request_that_arrives_while_the_engine_restarts(
     retryable error (503 engine_restarted); none hangs."""
     # Keep-alive comments every 0.2 s: the sign that the server holds the streamed request.
     server = ServerProcess(
-        ["--model", str(tiny_checkpoint), "--kv-cache-bytes", KV_BYTES, "--sse-keepalive-s", "0.2"]
-    )
+        ["--model", str(tiny_checkpoint), "--kv-cache-bytes", KV_BYTES, "--sse-keepalive-s", "0.2",
+         "--standby"]
+    )  # fmt: skip
     try:
         server.wait_ready()
         client = openai.OpenAI(
@@ -348,6 +349,34 @@ def test_a_request_that_arrives_while_the_engine_restarts(
         assert _ready_status(server) == 200
         m = _metrics(server)
         assert m["tidal:engine_restarts_total"] == 1 and m["tidal:engine_up"] == 1
+    finally:
+        server.stop()
+
+
+def test_by_default_a_standby_comes_after_the_first_failure(tiny_checkpoint: Path) -> None:
+    """server.standby null (the default): no spare process while the engine has never failed;
+    the first kill restarts cold, a standby is spawned after it, and the second kill restarts
+    from that standby; the greedy tokens stay the same throughout."""
+    server = ServerProcess(["--model", str(tiny_checkpoint), "--kv-cache-bytes", KV_BYTES])
+    try:
+        server.wait_ready()
+        before = _short(server, "Tide")
+        assert before.status_code == 200, before.text
+        assert "standby engine process" not in server.log
+        os.kill(_engine_pid(server, 0), signal.SIGKILL)
+        server.wait_until(lambda: "ready (incarnation 1," in server.log, "the restart", DEADLINE_S)
+        assert re.search(r"engine process \d+ starting \(incarnation 1\)", server.log), server.log
+        ready = re.compile(r"standby engine process (\d+) ready")
+        server.wait_until(lambda: ready.search(server.log) is not None, "a standby", DEADLINE_S)
+        standby = int(ready.search(server.log).group(1))
+        os.kill(_engine_pid(server, 1), signal.SIGKILL)
+        server.wait_until(lambda: "ready (incarnation 2," in server.log, "the restart", DEADLINE_S)
+        assert re.search(
+            rf"engine process {standby} starting \(incarnation 2, from standby", server.log
+        ), server.log
+        after = _short(server, "Tide")
+        assert after.status_code == 200, after.text
+        assert after.json()["choices"][0] == before.json()["choices"][0]
     finally:
         server.stop()
 

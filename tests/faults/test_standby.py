@@ -87,10 +87,11 @@ def _config(checkpoint: Path) -> EngineConfig:
 
 
 def _supervisor(checkpoint: Path, rec: _Recorder, clock=None) -> Supervisor:
+    """A supervisor that keeps a standby from the start (server.standby true)."""
     policy = RestartPolicy(backoff_initial_s=0.0)
     if clock is None:
-        return Supervisor(_config(checkpoint), rec, policy=policy)
-    return Supervisor(_config(checkpoint), rec, policy=policy, clock=clock)
+        return Supervisor(_config(checkpoint), rec, policy=policy, standby=True)
+    return Supervisor(_config(checkpoint), rec, policy=policy, standby=True, clock=clock)
 
 
 def test_a_killed_engine_restarts_from_the_standby_with_the_same_tokens(

@@ -44,7 +44,7 @@ class SupervisedEngineClient(EngineClient):
         warmup_on_restart: bool = True,
         fault_spec: str | None = None,
         log_level: int = logging.INFO,
-        standby: bool = True,
+        standby: bool | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__(clock)

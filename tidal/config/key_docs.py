@@ -240,7 +240,7 @@ KEY_DOCS: dict[str, KeyDoc] = {
     ),
     "server.standby": KeyDoc(
         "keep a spare engine process (torch imported, no weights) so a restart skips the "
-        "imports; about 0.24 GB of RSS",
+        "imports; about 0.24 GB of RSS. null: from the engine's first failure on",
         "--standby",
     ),
     "server.watchdog_timeout_s": KeyDoc(
