@@ -46,10 +46,10 @@ class CacheConfig:
     # Without kv_cache_bytes: on GPU the fraction of free device memory (vLLM's
     # gpu_memory_utilization); on CPU the fraction of available RAM, capped by `max_cpu_kv_bytes`.
     memory_fraction: float = 0.9
-    # 1 GiB is 10,922 pages of Gemma 3 270M (96 KiB per 16-token page, float32). Pages are
-    # shared by its 6 layer groups as needed: one long sequence always fits ~167k tokens, 32 at
-    # once ~82k (the sliding groups hold their windows). On the CPU a page that no token
-    # reaches costs no resident memory.
+    # 1 GiB is 21,845 pages of Gemma 3 270M (48 KiB per 16-token page in float16, the default
+    # over its GGUF blocks; 10,922 in float32). Pages are shared by its 6 layer groups as needed:
+    # one long sequence always fits ~342k tokens, 32 at once ~257k (the sliding groups hold their
+    # windows). On the CPU a page that no token reaches costs no resident memory.
     max_cpu_kv_bytes: int = 1 << 30
     # Reuse full blocks across requests by content hash.
     enable_prefix_caching: bool = True
