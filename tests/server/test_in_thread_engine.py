@@ -99,3 +99,44 @@ def test_queue_full_abort_and_step_failure(tiny_checkpoint: Path) -> None:
         assert not engine.alive
 
     asyncio.run(main())
+
+
+async def _until(cond, timeout_s: float = 30.0) -> None:
+    """The loop thread reaches `cond` soon after the last output; bounded, not timed."""
+    for _ in range(int(timeout_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_the_loop_returns_free_heap_each_time_it_goes_idle(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the last request finishes, the loop publishes idle stats and then hands the C heap's
+    free pages back (malloc_trim): once per busy -> idle, never while anything runs."""
+    import tidal.engine.loop as loop_module
+
+    engine = _engine(tiny_checkpoint)
+    busy_at_trim: list[bool] = []
+
+    def trim() -> bool:
+        busy_at_trim.append(engine.core.has_unfinished())
+        return True
+
+    monkeypatch.setattr(loop_module, "release_free_heap", trim)
+
+    async def main() -> None:
+        engine.start()
+        try:
+            burst = (_collect(engine, [2, 10 + i, 20, 30], f"r{i}") for i in range(3))
+            await asyncio.gather(*burst)
+            await _until(lambda: len(busy_at_trim) >= 1)
+            assert busy_at_trim == [False]
+            await _collect(engine, [2, 11, 21, 31], "again")
+            await _until(lambda: len(busy_at_trim) >= 2)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+    assert busy_at_trim == [False, False]  # one per burst, with nothing left to run
