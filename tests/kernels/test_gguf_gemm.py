@@ -129,8 +129,9 @@ def test_rows_are_bit_identical_whatever_the_batch(isa: str, t: Q, act: str) -> 
     ],
     ids=lambda ts: "+".join(t.name for t in ts),
 )
-def test_segments_equal_separate_calls(isa: str, act: str, types: tuple[Q, ...]) -> None:
-    k = 512  # shared by 32-blocks and K-quants
+@pytest.mark.parametrize("k", [512, 2304])  # 2304 x 6 rows: the K-sliced tiles on AVX2 f32
+def test_segments_equal_separate_calls(isa: str, act: str, types: tuple[Q, ...], k: int) -> None:
+    # k: shared by 32-blocks and K-quants
     ws = [weight(t, n, k, seed=i) for i, (t, n) in enumerate(zip(types, (40, 9, 17, 3)))]
     torch.manual_seed(3)
     x = torch.randn(6, k)
