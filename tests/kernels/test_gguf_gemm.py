@@ -144,13 +144,16 @@ def test_segments_equal_separate_calls(isa: str, act: str, types: tuple[Q, ...],
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_strided_x_and_an_out_slice(isa: str) -> None:
-    w = weight(Q.Q5_0, 37, 224)
+@pytest.mark.parametrize(("k", "act"), [(224, "q8"), (224, "f32"), (2304, "f32")])
+def test_strided_x_and_an_out_slice(isa: str, k: int, act: str) -> None:
+    """x a column slice of a wider buffer, y written into a column slice; K=2304 at 5 rows
+    takes the K-sliced tiles on AVX2 with float activations."""
+    w = weight(Q.Q5_0, 37, k)
     torch.manual_seed(4)
-    x = torch.randn(5, 300)[:, 10:234]  # row stride 300
+    x = torch.randn(5, k + 76)[:, 10 : 10 + k]  # row stride k + 76
     wide = torch.full((5, 50), -1.0)
-    y = gg.gguf_gemm(x, [w], "q8", isa, out=wide[:, 3:40])
-    assert torch.equal(y, gg.gguf_gemm(x.contiguous(), [w], "q8", isa))
+    y = gg.gguf_gemm(x, [w], act, isa, out=wide[:, 3:40])
+    assert torch.equal(y, gg.gguf_gemm(x.contiguous(), [w], act, isa))
     assert (wide[:, :3] == -1).all() and (wide[:, 40:] == -1).all()
 
 
