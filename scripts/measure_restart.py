@@ -154,12 +154,11 @@ def measure_once(
             from_standby = False
             if _standby_expected(serve_args, kill):
                 # A real kill comes long after the start: let the standby finish importing first.
+                # One standby per kill so far, plus the first one when it came at the start.
+                wanted = kill + 1 if "--standby" in serve_args else kill
                 ready = r"standby engine process \d+ ready"
                 deadline = time.monotonic() + settle_s
-                while (
-                    len(re.findall(ready, server.log)) <= kill - ("--standby" not in serve_args)
-                    and time.monotonic() < deadline
-                ):
+                while len(re.findall(ready, server.log)) < wanted and time.monotonic() < deadline:
                     time.sleep(0.05)
                 from_standby = True
             load_avg = os.getloadavg()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tidal.config._check import check
+from tidal.config.quant import NATIVE_SCHEMES
 
 # The KV cache's storage choices: "auto" is float16 pages where the weights are a GGUF file's own
 # blocks (the CPU default for a GGUF, as llama.cpp's default KV type), else the model's float
@@ -24,8 +25,6 @@ UNGATED_KV_DTYPES = ("auto", "float32", "float16")
 def resolve_kv_dtype(kv_dtype: str, weight_scheme: str) -> str:
     """The storage `kv_dtype` stands for under the resolved weight scheme: "auto" over a GGUF's
     own blocks ("gguf", "gguf-q8") is "float16"; anything else is returned as it is."""
-    from tidal.config.quant import NATIVE_SCHEMES
-
     if kv_dtype == "auto" and weight_scheme in NATIVE_SCHEMES:
         return "float16"
     return kv_dtype

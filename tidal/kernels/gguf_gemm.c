@@ -972,8 +972,9 @@ TYPES(part, avx2, PART_TILE, b32_f32_part_avx2, k_f32_part_avx2)
 static const part_fn AVX2_PART[N_TYPES] = {TABLE(part, avx2)};
 
 /* Weight rows lo..hi-1 (one chunk) against every row of x, for a tile whose x rows outgrow L1
- * (K * mt * 4 > SLICE_ABOVE; a whole pass then streams the tile from L2 once per weight row): the chunk's weight rows take
- * the tile's K in slices of SLICE_BYTES of x, so each slice is read from L1 by all of them.
+ * (K * mt * 4 > SLICE_ABOVE; a whole pass then streams the tile from L2 once per weight row):
+ * the chunk's weight rows take the tile's K in slices of SLICE_BYTES of x, so each slice is read
+ * from L1 by all of them.
  * Every (row, output)'s accumulator goes through the same operations in the same order as in a
  * whole pass (it waits in memory between slices, exactly), so the bits are a whole pass's. */
 static void chunk_sliced_avx2(part_fn fn, const uint8_t *w, int64_t rb, int64_t units,
@@ -1065,6 +1066,10 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
     int64_t r32 = K / 32 * X32_BYTES, rk = needk ? K / 256 * XK_BYTES : 0;
     size_t need = act == ACT_Q8 ? (size_t)(M * (r32 + rk)) : 0;
     _Alignas(64) uint8_t stack[65536]; /* on the caller's stack: M = 32 at K = 640 fits */
+#ifdef HAVE_AVX2
+    /* float activations on AVX2: K-sliced tiles where a tile's x outgrows L1 */
+    int sliced = act == ACT_F32 && isa == ISA_AVX2 && K * (M < MT ? M : MT) * 4 > SLICE_ABOVE;
+#endif
     uint8_t *xq = need <= sizeof(stack) ? stack : malloc(need);
     if (!xq) return ERR_NOMEM;
 #pragma omp parallel num_threads(nthreads > 0 ? (int)nthreads : 1)
@@ -1082,16 +1087,15 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             int64_t cc = c;
             while (cc >= nch[s]) cc -= nch[s++];
             int64_t lo = cc * CHUNK, hi = lo + CHUNK < ns[s] ? lo + CHUNK : ns[s];
+            int kq = runs32(ts[s]) == 0;
             const uint8_t *xs = (const uint8_t *)x;
             int64_t ldxs = ldx * (int64_t)sizeof(float);
             if (act == ACT_Q8) {
-                int kq = runs32(ts[s]) == 0;
                 xs = kq ? xq + M * r32 : xq;
                 ldxs = kq ? rk : r32;
             }
 #ifdef HAVE_AVX2
-            if (act == ACT_F32 && isa == ISA_AVX2 && K * (M < MT ? M : MT) * 4 > SLICE_ABOVE) {
-                int kq = runs32(ts[s]) == 0;
+            if (sliced) { /* kernel steps: super-blocks, or runs of 32 */
                 chunk_sliced_avx2(AVX2_PART[ts[s]], ws[s], rb[s], kq ? nb[s] : nb[s] * runs32(ts[s]),
                                   kq ? 256 : 32, ns[s], xs, ldxs, M, lo, hi, y + col0[s], ldy);
                 continue;

@@ -7,7 +7,7 @@ from math import gcd
 
 from tidal.config.cache import KV_CACHE_DTYPES, QUANTIZED_KV_DTYPES
 
-# Bytes per element of the named float page types ("auto": the model dtype's)
+# Bytes per element of the named float page types, named as torch's dtypes ("auto": the model's)
 FLOAT_KV_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 KV_SCALE_BYTES = 4

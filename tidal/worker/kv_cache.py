@@ -6,10 +6,7 @@ import torch
 
 from tidal.attention.kv_quant import QuantizedKV, allocate_quantized_pool
 from tidal.attention.page_memory import zeroed_pages
-from tidal.kv.layout import KVLayout
-
-# The float pages a named layout.kv_dtype stores ("auto": the model's dtype)
-FLOAT_KV_STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from tidal.kv.layout import FLOAT_KV_BYTES, KVLayout
 
 # Per layer (k_cache, v_cache): float tensors, or QuantizedKV pages when layout.kv_dtype is 8-bit;
 # a latent layout (layout.parts == 1, DeepSeek's MLA) gives each layer its one page tensor.
@@ -44,7 +41,8 @@ def allocate_kv_caches(
             *shape[:1], *shape[2:], layout.kv_dtype, device, parts=layout.parts
         )
     else:
-        storage = FLOAT_KV_STORAGE.get(layout.kv_dtype, dtype)
+        named = layout.kv_dtype in FLOAT_KV_BYTES  # "float32", "float16", "bfloat16"
+        storage = getattr(torch, layout.kv_dtype) if named else dtype
         pool = zeroed_pages(shape, storage, device)
     caches: list[KVCache] = [None] * layout.num_layers  # type: ignore[list-item]
     for spec in layout.groups:
