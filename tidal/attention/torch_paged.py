@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from tidal.attention.kv_quant import QuantizedKV
 from tidal.attention.metadata import AttentionMetadata
 
+_F16_MAX = torch.finfo(torch.float16).max
+
 # A layer's K or V pages: a float tensor, or 8-bit pages with scales (memory.kv_cache_dtype).
 KVPages = torch.Tensor | QuantizedKV
 
@@ -106,8 +108,7 @@ def _write(cache: KVPages, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
     if cache.dtype == torch.float16 and x.dtype != torch.float16:
         # float16 pages under wider compute saturate at +-65504 (as the CPU kernel writes them)
         # rather than turning a large key or value into an infinity
-        big = torch.finfo(torch.float16).max
-        x = x.clamp(-big, big)
+        x = x.clamp(-_F16_MAX, _F16_MAX)
     cache.view(-1, kvh, dim).index_copy_(0, slot_mapping, x.to(cache.dtype))
 
 
