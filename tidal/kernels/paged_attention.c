@@ -360,52 +360,65 @@ static inline __m256 hsum8x(const __m256 v[8]) {
  * order, one reduction tree, so a pair's sum does not depend on NR, NK or its neighbours */
 ALWAYS_INLINE void qk_block(const float *const *qr, int NR, const void *kbase, const int64_t *off,
                             const int64_t *next, int kk0, int NK, int64_t D, int type, float *s) {
-    __m256 acc[8]; /* pair (i, j) in acc[2 * i + j]; unused ones stay 0 */
-    const uint8_t *kr[2], *pf[2];
+    __m256 acc[16]; /* pair (i, j) in acc[3 * i + j]; unused ones stay 0 */
+    const uint8_t *kr[3], *pf[3];
     int esz = KV_ESZ(type);
     for (int j = 0; j < NK; j++) {
         kr[j] = (const uint8_t *)kbase + off[kk0 + j] * D * esz;
         pf[j] = (const uint8_t *)kbase + next[kk0 + j] * D * esz;
     }
-    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) {
-        __m256 kv[2];
-        if (((d * esz) & 63) == 0) /* the next chunk's keys: pages are scattered, so no HW stream */
-            for (int j = 0; j < NK; j++) _mm_prefetch((const char *)pf[j] + d * esz, _MM_HINT_T0);
-        for (int j = 0; j < NK; j++) {
-            kv[j] = load8(kr[j], d, type);
-            __asm__("" : "+x"(kv[j])); /* one load per vector, kept in a register: GCC else
-                                          folds it into each FMA (12 loads per 8 FMAs) */
-        }
-        for (int i = 0; i < NR; i++) {
-            __m256 qv = _mm256_loadu_ps(qr[i] + d);
-            __asm__("" : "+x"(qv));
-            for (int j = 0; j < NK; j++) acc[2 * i + j] = _mm256_fmadd_ps(qv, kv[j], acc[2 * i + j]);
+    for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
+    /* a cache line of each key at a time (64 / esz columns): one prefetch of the next chunk's
+     * keys (pages are scattered, so no hardware stream), then the line's steps unrolled */
+    const int64_t L = 64 / esz, Dl = D - D % L;
+    for (int64_t d0 = 0; d0 < D; d0 += L) {
+        for (int j = 0; j < NK; j++) _mm_prefetch((const char *)pf[j] + d0 * esz, _MM_HINT_T0);
+        int64_t d1 = d0 < Dl ? d0 + L : D;
+#pragma GCC unroll 8
+        for (int64_t d = d0; d < d1; d += 8) {
+            __m256 kv[3];
+            for (int j = 0; j < NK; j++) {
+                kv[j] = load8(kr[j], d, type);
+                __asm__("" : "+x"(kv[j])); /* one load per vector, kept in a register: GCC else
+                                              folds it into each FMA (16 loads per 12 FMAs) */
+            }
+            for (int i = 0; i < NR; i++) {
+                __m256 qv = _mm256_loadu_ps(qr[i] + d);
+                __asm__("" : "+x"(qv));
+                for (int j = 0; j < NK; j++)
+                    acc[3 * i + j] = _mm256_fmadd_ps(qv, kv[j], acc[3 * i + j]);
+            }
         }
     }
-    float sums[8];
+    float sums[16];
     _mm256_storeu_ps(sums, hsum8x(acc));
+    _mm256_storeu_ps(sums + 8, hsum8x(acc + 8));
     for (int i = 0; i < NR; i++)
-        for (int j = 0; j < NK; j++) s[i * KB + kk0 + j] = sums[2 * i + j];
+        for (int j = 0; j < NK; j++) s[i * KB + kk0 + j] = sums[3 * i + j];
 }
 
 ALWAYS_INLINE void qk_rows_avx2(const float *const *qr, int nrows, const void *kbase,
                                 const int64_t *off, const int64_t *next, int kk0, int kk1, int64_t D,
                                 int type, float *s) {
-    /* keys outer: a pair of key rows stays in L1 while every row block uses it */
-    for (int kk = kk0; kk <= kk1; kk += 2) {
-        int nk = kk1 - kk >= 1 ? 2 : 1;
+    /* keys outer: three key rows stay in L1 while every row block uses them; 4 x 3 pairs are 12
+     * accumulator chains, enough to cover the FMA latency */
+    for (int kk = kk0; kk <= kk1; kk += 3) {
+        int nk = kk1 - kk + 1 >= 3 ? 3 : kk1 - kk + 1;
         for (int r = 0; r < nrows; r += 4) {
             int nr = nrows - r < 4 ? nrows - r : 4;
             float *sr = s + r * KB;
             const float *const *q = qr + r;
             switch (nr * 4 + nk) { /* constant shapes unroll into registers */
+            case 4 * 4 + 3: qk_block(q, 4, kbase, off, next, kk, 3, D, type, sr); break;
             case 4 * 4 + 2: qk_block(q, 4, kbase, off, next, kk, 2, D, type, sr); break;
             case 4 * 4 + 1: qk_block(q, 4, kbase, off, next, kk, 1, D, type, sr); break;
+            case 3 * 4 + 3: qk_block(q, 3, kbase, off, next, kk, 3, D, type, sr); break;
             case 3 * 4 + 2: qk_block(q, 3, kbase, off, next, kk, 2, D, type, sr); break;
             case 3 * 4 + 1: qk_block(q, 3, kbase, off, next, kk, 1, D, type, sr); break;
+            case 2 * 4 + 3: qk_block(q, 2, kbase, off, next, kk, 3, D, type, sr); break;
             case 2 * 4 + 2: qk_block(q, 2, kbase, off, next, kk, 2, D, type, sr); break;
             case 2 * 4 + 1: qk_block(q, 2, kbase, off, next, kk, 1, D, type, sr); break;
+            case 1 * 4 + 3: qk_block(q, 1, kbase, off, next, kk, 3, D, type, sr); break;
             case 1 * 4 + 2: qk_block(q, 1, kbase, off, next, kk, 2, D, type, sr); break;
             default: qk_block(q, 1, kbase, off, next, kk, 1, D, type, sr); break;
             }
@@ -414,11 +427,11 @@ ALWAYS_INLINE void qk_rows_avx2(const float *const *qr, int nrows, const void *k
 }
 
 /* acc_r = acc_r * alpha_r + sum over kk0..kk1 (in order) of p[r][kk] * value(kk), for NR rows,
- * 16 (or 8, NV = 1) columns from d */
+ * 8 x NV columns from d; vrow / vnext: each lane's value row in this chunk and the next */
 ALWAYS_INLINE void pv_block(float *acc, int64_t D, int NR, const float *alpha, const float *p,
-                            const void *vbase, const int64_t *off, const int64_t *next, int kk0,
+                            const uint8_t *const *vrow, const uint8_t *const *vnext, int kk0,
                             int kk1, int64_t d, int NV, int type) {
-    __m256 a[4][2];
+    __m256 a[4][3];
     int esz = KV_ESZ(type);
     for (int i = 0; i < NR; i++) {
         __m256 al = _mm256_set1_ps(alpha[i]);
@@ -426,11 +439,14 @@ ALWAYS_INLINE void pv_block(float *acc, int64_t D, int NR, const float *alpha, c
             a[i][c] = _mm256_mul_ps(_mm256_loadu_ps(acc + i * D + d + 8 * c), al);
     }
     for (int kk = kk0; kk <= kk1; kk++) {
-        const uint8_t *vr = (const uint8_t *)vbase + off[kk] * D * esz;
-        if (((d * esz) & 63) == 0)
-            _mm_prefetch((const char *)vbase + (next[kk] * D + d) * esz, _MM_HINT_T0);
-        __m256 vv[2];
-        for (int c = 0; c < NV; c++) vv[c] = load8(vr, d + 8 * c, type);
+        const uint8_t *vr = vrow[kk];
+        _mm_prefetch((const char *)vnext[kk] + d * esz, _MM_HINT_T0);
+        if (NV * 8 * esz > 64) _mm_prefetch((const char *)vnext[kk] + d * esz + 64, _MM_HINT_T0);
+        __m256 vv[3];
+        for (int c = 0; c < NV; c++) {
+            vv[c] = load8(vr, d + 8 * c, type);
+            __asm__("" : "+x"(vv[c]));
+        }
         for (int i = 0; i < NR; i++) {
             __m256 pb = _mm256_broadcast_ss(p + i * KB + kk);
             for (int c = 0; c < NV; c++) a[i][c] = _mm256_fmadd_ps(pb, vv[c], a[i][c]);
@@ -443,22 +459,32 @@ ALWAYS_INLINE void pv_block(float *acc, int64_t D, int NR, const float *alpha, c
 ALWAYS_INLINE void pv_rows_avx2(float *acc, int nrows, int64_t D, const float *alpha,
                                 const float *p, const void *vbase, const int64_t *off,
                                 const int64_t *next, int kk0, int kk1, int type) {
-    /* columns outer: a 16-column slice of the chunk's values stays in L1 for every row block */
-    for (int64_t d = 0; d < D; d += 16) {
-        int nv = D - d >= 16 ? 2 : 1;
+    const uint8_t *vrow[KB], *vnext[KB];
+    int esz = KV_ESZ(type);
+    for (int kk = kk0; kk <= kk1; kk++) {
+        vrow[kk] = (const uint8_t *)vbase + off[kk] * D * esz;
+        vnext[kk] = (const uint8_t *)vbase + next[kk] * D * esz;
+    }
+    /* columns outer: a 24-column slice of the chunk's values stays in L1 for every row block */
+    for (int64_t d = 0; d < D; d += 24) {
+        int nv = D - d >= 24 ? 3 : (int)(D - d) / 8;
         for (int r = 0; r < nrows; r += 4) {
             int nr = nrows - r < 4 ? nrows - r : 4;
             float *ar = acc + r * D;
             const float *al = alpha + r, *pr = p + r * KB;
             switch (nr * 4 + nv) {
-            case 4 * 4 + 2: pv_block(ar, D, 4, al, pr, vbase, off, next, kk0, kk1, d, 2, type); break;
-            case 4 * 4 + 1: pv_block(ar, D, 4, al, pr, vbase, off, next, kk0, kk1, d, 1, type); break;
-            case 3 * 4 + 2: pv_block(ar, D, 3, al, pr, vbase, off, next, kk0, kk1, d, 2, type); break;
-            case 3 * 4 + 1: pv_block(ar, D, 3, al, pr, vbase, off, next, kk0, kk1, d, 1, type); break;
-            case 2 * 4 + 2: pv_block(ar, D, 2, al, pr, vbase, off, next, kk0, kk1, d, 2, type); break;
-            case 2 * 4 + 1: pv_block(ar, D, 2, al, pr, vbase, off, next, kk0, kk1, d, 1, type); break;
-            case 1 * 4 + 2: pv_block(ar, D, 1, al, pr, vbase, off, next, kk0, kk1, d, 2, type); break;
-            default: pv_block(ar, D, 1, al, pr, vbase, off, next, kk0, kk1, d, 1, type); break;
+            case 4 * 4 + 3: pv_block(ar, D, 4, al, pr, vrow, vnext, kk0, kk1, d, 3, type); break;
+            case 4 * 4 + 2: pv_block(ar, D, 4, al, pr, vrow, vnext, kk0, kk1, d, 2, type); break;
+            case 4 * 4 + 1: pv_block(ar, D, 4, al, pr, vrow, vnext, kk0, kk1, d, 1, type); break;
+            case 3 * 4 + 3: pv_block(ar, D, 3, al, pr, vrow, vnext, kk0, kk1, d, 3, type); break;
+            case 3 * 4 + 2: pv_block(ar, D, 3, al, pr, vrow, vnext, kk0, kk1, d, 2, type); break;
+            case 3 * 4 + 1: pv_block(ar, D, 3, al, pr, vrow, vnext, kk0, kk1, d, 1, type); break;
+            case 2 * 4 + 3: pv_block(ar, D, 2, al, pr, vrow, vnext, kk0, kk1, d, 3, type); break;
+            case 2 * 4 + 2: pv_block(ar, D, 2, al, pr, vrow, vnext, kk0, kk1, d, 2, type); break;
+            case 2 * 4 + 1: pv_block(ar, D, 2, al, pr, vrow, vnext, kk0, kk1, d, 1, type); break;
+            case 1 * 4 + 3: pv_block(ar, D, 1, al, pr, vrow, vnext, kk0, kk1, d, 3, type); break;
+            case 1 * 4 + 2: pv_block(ar, D, 1, al, pr, vrow, vnext, kk0, kk1, d, 2, type); break;
+            default: pv_block(ar, D, 1, al, pr, vrow, vnext, kk0, kk1, d, 1, type); break;
             }
         }
     }
@@ -1016,8 +1042,10 @@ static void run_segment(const prm_t *P, const tile_t *tl, int R, int64_t s, scr_
                 w->vmul[kk] = in ? P->vs[w->off[kk]] * qmul : 0.0f;
             }
         float *sc = w->sc + ra * KB;
-        for (int r = 0; r < nr; r++)
-            for (int kk = 0; kk < KB; kk++) sc[r * KB + kk] = NEG_INF;
+        if (kk0 > 0 || kk1 < KB - 1) /* lanes outside the chunk's keys: masked */
+            for (int r = 0; r < nr; r++)
+                for (int kk = 0; kk < KB; kk++)
+                    if (kk < kk0 || kk > kk1) sc[r * KB + kk] = NEG_INF;
         const void *kbase = P->kp, *vbase = P->vp;
         const int64_t *off = w->off, *next = w->next;
         int type = P->type;
@@ -1036,8 +1064,9 @@ static void run_segment(const prm_t *P, const tile_t *tl, int R, int64_t s, scr_
         for (int r = 0; r < nr; r++) {
             int64_t lo = w->lo[ra + r], p = w->pos[ra + r];
             float *sr = sc + r * KB;
-            for (int kk = kk0; kk <= kk1; kk++)
-                if (c0 + kk < lo || c0 + kk > p) sr[kk] = NEG_INF;
+            int64_t m0 = lo - c0, m1 = p - c0; /* lanes outside [m0, m1]: not this row's keys */
+            for (int kk = kk0; kk <= kk1 && kk < m0; kk++) sr[kk] = NEG_INF;
+            for (int kk = kk1; kk >= kk0 && kk > m1; kk--) sr[kk] = NEG_INF;
             softmax_row(P, sr, quant ? w->kmul : NULL, quant ? w->vmul : NULL, &w->cm[ra + r],
                         &w->cl[ra + r], &w->alpha[ra + r]);
         }
