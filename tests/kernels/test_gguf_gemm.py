@@ -335,3 +335,66 @@ def test_long_rows_sliced_over_k_keep_every_rows_bits(isa: str, t: Q, act: str) 
         assert torch.equal(gg.gguf_gemm(x[:m], w, act, isa), full[:m]), f"M={m}"
     for m in range(20):
         assert torch.equal(gg.gguf_gemm(x[m : m + 1], w, act, isa), full[m : m + 1]), f"row {m}"
+
+
+# ---- gguf_gemm_panels: the prefill-sized float product (AVX2) ----
+
+needs_panels = pytest.mark.skipif("avx2" not in ISAS, reason="the panel kernel is AVX2 only")
+
+
+@needs_panels
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_panels_match_reference_for_odd_shapes(t: Q) -> None:
+    """N 35 (two panels of 16 and a part), K an odd count of blocks, M from 1 to 40 (every
+    remainder of the 6-row blocks): the float32 product within F32_TOL of S, and each batch's
+    rows bit-identical to the same rows in the full batch."""
+    n, k = 35, _k_of(t, 5, 3)
+    w = weight(t, n, k, seed=11, random_bytes=True)
+    torch.manual_seed(11)
+    x = torch.randn(40, k)
+    full = gg.gguf_gemm_panels(x, w)
+    check(full, x, w, "f32")
+    for m in range(1, 40):
+        assert torch.equal(gg.gguf_gemm_panels(x[:m], w), full[:m]), f"M={m}"
+        assert torch.equal(gg.gguf_gemm_panels(x[40 - m :], w), full[40 - m :]), f"M={m}"
+
+
+@needs_panels
+def test_panels_segments_strides_threads() -> None:
+    """Fused segments of different types equal separate calls; a strided x and an out slice;
+    one thread and two give the same bits."""
+    k = 512
+    ws = [weight(Q.Q5_0, 40, k, seed=1), weight(Q.Q4_K, 24, k, seed=2), weight(Q.Q8_0, 7, k)]
+    torch.manual_seed(3)
+    wide = torch.randn(50, k + 9)
+    x = wide[:, 4 : 4 + k]
+    fused = gg.gguf_gemm_panels(x, ws)
+    apart = torch.cat([gg.gguf_gemm_panels(x.contiguous(), [w]) for w in ws], dim=1)
+    assert torch.equal(fused, apart)
+    for w, y in zip(ws, apart.split([w.rows for w in ws], dim=1)):
+        check(y.contiguous(), x.contiguous(), w, "f32")
+    buf = torch.full((50, 80), -1.0)
+    gg.gguf_gemm_panels(x, ws, out=buf[:, 3:74])
+    assert torch.equal(buf[:, 3:74], fused)
+    assert (buf[:, :3] == -1).all() and (buf[:, 74:] == -1).all()
+    assert torch.equal(gg.gguf_gemm_panels(x, ws, threads=1), fused)
+
+
+@needs_panels
+def test_panels_refusals() -> None:
+    w = weight(Q.Q8_0, 4, 64)
+    assert gg.gguf_gemm_panels(torch.randn(2, 64).double(), [w]) is None
+    assert gg.gguf_gemm_panels(torch.randn(64, 2).t(), [w]) is None  # inner stride 2
+    assert gg.gguf_gemm_panels(torch.randn(0, 64), [w]).shape == (0, 4)
+    with pytest.raises(ValueError, match="K=32"):
+        gg.gguf_gemm_panels(torch.randn(2, 32), [w])
+    with pytest.raises(ValueError, match="out"):
+        gg.gguf_gemm_panels(torch.randn(2, 64), [w], out=torch.empty(2, 5))
+
+
+@needs_panels
+def test_profiler_sees_the_panel_kernel() -> None:
+    w = weight(Q.Q8_0, 16, 64)
+    with torch.profiler.profile() as prof:
+        gg.gguf_gemm_panels(torch.randn(40, 64), w)
+    assert "tidal::gguf_gemm_panels" in {e.name for e in prof.events()}

@@ -1203,3 +1203,116 @@ int tidal_gguf_dequantize(const uint8_t *w, int64_t type, int64_t K, const int64
     }
     return 0;
 }
+
+/* ---- prefill-sized products on AVX2: decoded panels and a 6 x 16 register kernel ----
+ *
+ *   y[m, col0 + n] = sum_k x[m, k] * W[n, k], float activations, for many rows of x
+ *
+ * The float32 product with the dequantized weights, as the tile kernels above and a float32
+ * GEMM library compute it, up to summation order: each y[m, n] is one FMA chain over k = 0..K-1
+ * in order (one lane of one accumulator), so its bits do not depend on M, on where row m falls
+ * in a block of PM rows, on its panel, or on the thread count.
+ * Work: W's rows go PN (16) at a time into a panel, decoded by dequant_row_avx2 (the very floats
+ * gguf_dequantize gives) and laid out k-major (panel[k][j] = W[n0 + j, k]), zero past W's last
+ * row. The panels are split statically over the threads; each thread runs every block of PM (6)
+ * rows of x through its panel, which stays in L2 while x streams: per k, two panel loads and six
+ * broadcasts of x feed 12 FMAs into 12 accumulators. Nothing is packed for x, and no float copy of
+ * W outlives its panel (K x 16 floats per thread). */
+#ifdef HAVE_AVX2
+#define PM 6
+#define PN 16
+
+/* y rows m0.. (pm of them) x panel columns (pn valid) over all of K. The 12 accumulators are
+ * named variables: GCC keeps an array of them in memory, storing it on every k. */
+static void panel_block(const float *x, int64_t ldx, int64_t K, const float *panel, int pm,
+                        int pn, float *y, int64_t ldy) {
+    const float *x0 = x, *x1 = x + (pm > 1 ? 1 : 0) * ldx, *x2 = x + (pm > 2 ? 2 : 0) * ldx;
+    const float *x3 = x + (pm > 3 ? 3 : 0) * ldx, *x4 = x + (pm > 4 ? 4 : 0) * ldx;
+    const float *x5 = x + (pm > 5 ? 5 : 0) * ldx; /* rows past pm repeat row 0: discarded */
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
+    __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+    for (int64_t k = 0; k < K; k++) {
+        __m256 b0 = _mm256_load_ps(panel + k * PN), b1 = _mm256_load_ps(panel + k * PN + 8), a;
+#define PANEL_ROW(i)                                                                          \
+    a = _mm256_broadcast_ss(x##i + k);                                                         \
+    c##i##0 = _mm256_fmadd_ps(a, b0, c##i##0);                                                 \
+    c##i##1 = _mm256_fmadd_ps(a, b1, c##i##1);
+        PANEL_ROW(0) PANEL_ROW(1) PANEL_ROW(2) PANEL_ROW(3) PANEL_ROW(4) PANEL_ROW(5)
+#undef PANEL_ROW
+    }
+    float out[PM][PN];
+    _mm256_storeu_ps(out[0], c00), _mm256_storeu_ps(out[0] + 8, c01);
+    _mm256_storeu_ps(out[1], c10), _mm256_storeu_ps(out[1] + 8, c11);
+    _mm256_storeu_ps(out[2], c20), _mm256_storeu_ps(out[2] + 8, c21);
+    _mm256_storeu_ps(out[3], c30), _mm256_storeu_ps(out[3] + 8, c31);
+    _mm256_storeu_ps(out[4], c40), _mm256_storeu_ps(out[4] + 8, c41);
+    _mm256_storeu_ps(out[5], c50), _mm256_storeu_ps(out[5] + 8, c51);
+    for (int i = 0; i < pm; i++) memcpy(y + i * ldy, out[i], sizeof(float) * (size_t)pn);
+}
+
+/* panel[k][j] = W row (n0 + j), k-major; columns j >= pn are 0. row: K floats of scratch */
+static void build_panel(int type, const uint8_t *w, int64_t rb, int64_t nb, int64_t K, int64_t n0,
+                        int pn, float *row, float *panel) {
+    for (int j = 0; j < PN; j++) {
+        if (j < pn) dequant_row_avx2(type, w + (n0 + j) * rb, nb, row);
+        for (int64_t k = 0; k < K; k++) panel[k * PN + j] = j < pn ? row[k] : 0.0f;
+    }
+}
+#endif
+
+/* Same arguments as tidal_gguf_gemm without act and isa (float activations, AVX2). Returns 0, or
+ * ERR_* having written nothing (ERR_ISA where this build or CPU has no AVX2). */
+int tidal_gguf_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const int64_t *segs,
+                           int64_t nseg, float *y, int64_t ldy, int64_t nthreads) {
+#ifdef HAVE_AVX2
+    const uint8_t *ws[MAX_SEG] = {0};
+    int ts[MAX_SEG] = {0};
+    int64_t ns[MAX_SEG] = {0}, nb[MAX_SEG] = {0}, rb[MAX_SEG] = {0}, col0[MAX_SEG] = {0};
+    int64_t np[MAX_SEG + 1] = {0}; /* panels before segment s */
+    if (!tidal_gguf_has_avx2()) return ERR_ISA;
+    if (nseg < 0 || nseg > MAX_SEG || K <= 0) return ERR_SHAPE;
+    int64_t col = 0;
+    for (int s = 0; s < nseg; s++) {
+        ws[s] = (const uint8_t *)(intptr_t)segs[3 * s];
+        ts[s] = (int)segs[3 * s + 1];
+        ns[s] = segs[3 * s + 2];
+        int be = tidal_gguf_block_elems(ts[s]);
+        if (be == 0) return ERR_TYPE;
+        if (K % be || ns[s] < 0) return ERR_SHAPE;
+        nb[s] = K / be;
+        rb[s] = nb[s] * block_bytes(ts[s]);
+        col0[s] = col;
+        col += ns[s];
+        np[s + 1] = np[s] + (ns[s] + PN - 1) / PN;
+    }
+    int64_t total = np[nseg];
+    if (M <= 0 || total == 0) return 0;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads > 0 ? (int)nthreads : 1)
+    {
+        float *panel = aligned_alloc(32, sizeof(float) * (size_t)(K * PN + K));
+        if (!panel) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < total; p++) {
+            if (!panel) continue;
+            int s = 0;
+            while (p >= np[s + 1]) s++;
+            int64_t n0 = (p - np[s]) * PN;
+            int pn = (int)(ns[s] - n0 < PN ? ns[s] - n0 : PN);
+            build_panel(ts[s], ws[s], rb[s], nb[s], K, n0, pn, panel + K * PN, panel);
+            for (int64_t m = 0; m < M; m += PM) {
+                int pm = (int)(M - m < PM ? M - m : PM);
+                panel_block(x + m * ldx, ldx, K, panel, pm, pn, y + m * ldy + col0[s] + n0, ldy);
+            }
+        }
+        free(panel);
+    }
+    return failed ? ERR_NOMEM : 0;
+#else
+    (void)x, (void)M, (void)K, (void)ldx, (void)segs, (void)nseg, (void)y, (void)ldy, (void)nthreads;
+    return ERR_ISA;
+#endif
+}

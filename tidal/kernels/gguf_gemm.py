@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -161,6 +161,9 @@ def _library() -> ctypes.CDLL | None:
     lib.tidal_gguf_gemm.restype = ctypes.c_int
     # x, M, K, ldx, segments, nseg, y, ldy, act, isa, threads
     lib.tidal_gguf_gemm.argtypes = [_word] * 11
+    lib.tidal_gguf_gemm_panels.restype = ctypes.c_int
+    # x, M, K, ldx, segments, nseg, y, ldy, threads
+    lib.tidal_gguf_gemm_panels.argtypes = [_word] * 9
     lib.tidal_gguf_dequantize.restype = ctypes.c_int
     # blocks, ggml type, K, ids or NULL, start, count, out, ldo, isa, threads
     lib.tidal_gguf_dequantize.argtypes = [_word] * 10
@@ -229,12 +232,53 @@ def gguf_gemm(
     checked on every call. None where the kernel cannot take x (no library, not a CPU float32
     matrix with unit inner stride): the caller runs its fallback."""
     lib = _library()
-    if lib is None or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2:
+    if lib is None:
+        return None
+    code = _ACT_CODES.get(act)
+    if code is None:
+        raise ValueError(f"act {act!r}; accepted: {', '.join(ACTS)}")
+    tail = (code, _isa_code(isa), threads or torch.get_num_threads())
+    return _matmul(lib.tidal_gguf_gemm, "tidal::gguf_gemm", x, segments, out, tail)
+
+
+def _matmul(
+    entry: Callable[..., int],
+    name: str,
+    x: torch.Tensor,
+    segments: BlockWeight | BlockSegments | Sequence[BlockWeight],
+    out: torch.Tensor | None,
+    tail: tuple[int, ...],
+) -> torch.Tensor | None:
+    """One call of a block-matmul entry point (x, M, K, ldx, segments, nseg, y, ldy, *tail),
+    under the profiler's `name` when it records; None where x is not a CPU float32 matrix with
+    unit inner stride."""
+    if x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2:
         return None
     m, k = x.shape
     ldx, inner = x.stride()
     if inner != 1 and k != 1:
         return None
+    desc, nseg, n, keep = _segments_arg(segments, k)
+    out = _out_arg(out, m, n)
+    call = (
+        x.data_ptr(), m, k, ldx if m > 1 else k, desc, nseg, out.data_ptr(),
+        out.stride(0) if m > 1 else n, *tail,
+    )  # fmt: skip
+    if _profiling():
+        with _record(name):
+            rc = entry(*call)
+    else:
+        rc = entry(*call)
+    del keep  # (the ad-hoc descriptor array lived through the call)
+    if rc:
+        _check(rc, name.removeprefix("tidal::"))
+    return out
+
+
+def _segments_arg(
+    segments: BlockWeight | BlockSegments | Sequence[BlockWeight], k: int
+) -> tuple[int, int, int, object]:
+    """(descriptor pointer, segment count, total rows, what must stay alive through the call)."""
     kind = type(segments)
     if kind is not BlockWeight and kind is not BlockSegments and len(segments) == 1:
         segments = segments[0]  # a list of one: its weight's own descriptor
@@ -242,23 +286,25 @@ def gguf_gemm(
     if kind is BlockWeight:
         if segments.blocks.data_ptr() != segments._args[0]:
             raise ValueError(_MOVED)
-        desc, nseg, n, cols = segments._desc_ptr, 1, segments.rows, segments.cols
+        desc, nseg, n, cols, keep = segments._desc_ptr, 1, segments.rows, segments.cols, None
     elif kind is BlockSegments:
         for w in segments.weights:
             if w.blocks.data_ptr() != w._args[0]:
                 raise ValueError(_MOVED)
-        desc, nseg, n, cols = segments._desc_ptr, segments.nseg, segments.rows, segments.cols
+        desc, nseg, n, cols, keep = (
+            segments._desc_ptr, segments.nseg, segments.rows, segments.cols, None
+        )  # fmt: skip
     else:
-        # the array stays referenced (alive) until the call returns
-        desc_array, desc, nseg, n, cols = _describe(segments)
+        keep, desc, nseg, n, cols = _describe(segments)
     if cols != k:
         raise ValueError(f"x has K={k} columns but the weights have cols={cols}")
-    code = _ACT_CODES.get(act)
-    if code is None:
-        raise ValueError(f"act {act!r}; accepted: {', '.join(ACTS)}")
+    return desc, nseg, n, keep
+
+
+def _out_arg(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
     if out is None:
-        out = torch.empty((m, n), dtype=torch.float32)
-    elif (
+        return torch.empty((m, n), dtype=torch.float32)
+    if (
         out.dtype is not torch.float32
         or not out.is_cpu
         or tuple(out.shape) != (m, n)
@@ -268,18 +314,27 @@ def gguf_gemm(
             f"out must be CPU float32 ({m}, {n}) with unit inner stride; got {out.dtype} "
             f"{tuple(out.shape)} strides {out.stride()} on {out.device}"
         )
-    call = (
-        x.data_ptr(), m, k, ldx if m > 1 else k, desc, nseg, out.data_ptr(),
-        out.stride(0) if m > 1 else n, code, _isa_code(isa), threads or torch.get_num_threads(),
-    )  # fmt: skip
-    if _profiling():
-        with _record("tidal::gguf_gemm"):
-            rc = lib.tidal_gguf_gemm(*call)
-    else:
-        rc = lib.tidal_gguf_gemm(*call)
-    if rc:
-        _check(rc, "gguf_gemm")
     return out
+
+
+def gguf_gemm_panels(
+    x: torch.Tensor,
+    segments: BlockWeight | BlockSegments | Sequence[BlockWeight],
+    *,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> torch.Tensor | None:
+    """gguf_gemm's float-activation product for prefill-sized x, on AVX2: 16 weight rows at a
+    time decoded into a panel, every block of 6 rows of x through it in registers. Each output is
+    one FMA chain over k in order, so row m is bit-identical whatever else is in x and whatever
+    the thread count (its bits differ from gguf_gemm's, which sums each 32 values first). None
+    where it cannot run (no library, no AVX2, x not a CPU float32 matrix with unit inner
+    stride): the caller runs its fallback."""
+    lib = _library()
+    if lib is None or "avx2" not in isas():
+        return None
+    tail = (threads or torch.get_num_threads(),)
+    return _matmul(lib.tidal_gguf_gemm_panels, "tidal::gguf_gemm_panels", x, segments, out, tail)
 
 
 def _dequantize(

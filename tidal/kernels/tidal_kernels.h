@@ -10,6 +10,8 @@
 int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int64_t *segs,
                     int64_t nseg, float *y, int64_t ldy, int64_t act, int64_t isa,
                     int64_t nthreads);
+int tidal_gguf_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const int64_t *segs,
+                           int64_t nseg, float *y, int64_t ldy, int64_t nthreads);
 
 /* norm_rope.c */
 void tidal_rms_norm(const float *x, int64_t rows, int64_t n, int64_t ldx, const float *scale,

@@ -27,11 +27,13 @@ from tidal.kernels.gguf_gemm import (
     dequantize_gather,
     dequantize_rows,
     gguf_gemm,
+    gguf_gemm_panels,
 )
+from tidal.kernels.gguf_gemm import isas as gguf_isas
 
 ACTIVATIONS = ("f32", "q8")
-# Rows of x up to which the kernel runs in "f32" mode; above it (prefill chunks) decoded row
-# tiles go to a float32 GEMM library, which is faster there. "q8" runs the kernel for every
+# Rows of x up to which the kernel runs in "f32" mode; above it (prefill chunks) the prefill GEMM
+# (cpu_gemm()) runs, which is faster there. "q8" runs the kernel for every
 # batch: its integer dot products are the fast path for many rows too.
 F32_KERNEL_MAX_ROWS = 32
 # Decode at most this many weight values per tile of the prefill path (a few MiB of float32).
@@ -41,12 +43,15 @@ TILE_VALUES = 1 << 20
 # columns (7.7 ms for a 512x640 @ 640x1638 linear, 8.9 ms with that copy). 16 MiB of float32
 # at most: every layer matrix of the bundled model; an LM head stays tiled.
 WHOLE_VALUES = 1 << 22
-# The float32 GEMM of the prefill tiles on CPU: "onednn" (torch's mkldnn linear) or "mkl"
-# (torch.matmul). oneDNN picks its kernels by the CPU's ISA; MKL's sgemm read 81-104 GFLOP/s
-# against oneDNN's 120-171 on a 2-core AMD EPYC with AVX-512 (512x640 @ 640x1638, one process,
-# interleaved), and 96 vs 126 with both capped at AVX2. Both are float32 FMA sums: the same
-# numbers up to summation order. TIDAL_CPU_GEMM selects one (tests, comparisons).
-CPU_GEMMS = ("onednn", "mkl")
+# The float32 GEMM of the prefill tiles on CPU: "tidal" (gguf_gemm_panels: 16 weight rows at a
+# time decoded into a panel that every 6 rows of x meet in registers; AVX2), "onednn" (torch's
+# mkldnn linear on a decoded matrix) or "mkl" (torch.matmul on decoded tiles). oneDNN picks its
+# kernels by the CPU's ISA; MKL's sgemm read 81-104 GFLOP/s against oneDNN's 120-171 on a 2-core
+# AMD EPYC with AVX-512 (512x640 @ 640x1638, one process, interleaved), and 96 vs 126 with both
+# capped at AVX2. On an AVX2-only CPU the panels outrun oneDNN (benchmarks/README.md), so they
+# are the default there; where the block kernels run AVX-512, oneDNN stays the default. All are
+# float32 FMA sums: the same numbers up to summation order. TIDAL_CPU_GEMM selects one.
+CPU_GEMMS = ("tidal", "onednn", "mkl")
 
 
 def supported(ggml_type: int) -> bool:
@@ -130,10 +135,17 @@ class GGUFLinear(nn.Module):
         return y.view(*lead, self.out_features)
 
     def _tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode row tiles of W to float32 and multiply them with a float32 GEMM library
-        (cpu_gemm(): oneDNN or MKL on CPU), fastest for prefill-sized batches; the float copy
-        stays a few MiB. With oneDNN a matrix of up to WHOLE_VALUES is one tile and one call."""
-        onednn = x.is_cpu and cpu_gemm() == "onednn"
+        """The prefill-sized product, by cpu_gemm(): tidal's panel kernel on the blocks, or row
+        tiles of W decoded to float32 and multiplied by a float32 GEMM library (oneDNN, MKL), the
+        float copy a few MiB at most. With oneDNN a matrix of up to WHOLE_VALUES is one tile and
+        one call."""
+        gemm = cpu_gemm() if x.is_cpu else "mkl"
+        if gemm == "tidal":
+            y = gguf_gemm_panels(x, self.parts)
+            if y is not None:
+                return y
+            gemm = "onednn" if _onednn_linear is not None else "mkl"  # e.g. a strided x
+        onednn = gemm == "onednn"
         if onednn:
             x = x.contiguous()
             if self.out_features * self.in_features <= WHOLE_VALUES:
@@ -214,8 +226,12 @@ def cpu_gemm() -> str:
         )
     if wanted == "onednn" and _onednn_linear is None:
         raise ValueError("TIDAL_CPU_GEMM=onednn: this torch build has no oneDNN linear")
+    if wanted == "tidal" and "avx2" not in gguf_isas():
+        raise ValueError("TIDAL_CPU_GEMM=tidal: the block kernels' AVX2 path cannot run here")
     if wanted:
         return wanted
+    if gguf_isas()[:1] == ["avx2"]:  # AVX2 is the best path here (no AVX-512)
+        return "tidal"
     return "onednn" if _onednn_linear is not None else "mkl"
 
 
