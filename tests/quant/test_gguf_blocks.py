@@ -11,6 +11,7 @@ from torch import nn
 from tests.loader.test_weight_cache import Q, write_tiny_quantized_gemma
 from tests.models.paged import paged_prefill_and_greedy
 from tidal.config.quant import resolve_scheme
+from tidal.kernels import gguf_gemm as gg
 from tidal.kernels.gguf_gemm import BlockWeight, gguf_gemm
 from tidal.layers.rotary import RotaryEmbedding
 from tidal.loader.gguf_file import GGUFFile
@@ -130,11 +131,14 @@ def test_kernel_and_tiled_paths_agree(tiny_gguf: Path, rows: int) -> None:
 def test_prefill_gemms_agree_with_float64(
     tiny_gguf: Path, gemm: str, whole: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Either float32 GEMM of the prefill tiles (oneDNN, MKL) gives the float64 product of the
-    dequantized weights to float32 rounding, also for a strided x (a view of a wider buffer);
-    with oneDNN, a matrix decoded whole into one buffer and one decoded in row tiles alike."""
+    """Each float32 GEMM of the prefill rows (tidal's panels, oneDNN, MKL) gives the float64
+    product of the dequantized weights to float32 rounding, also for a strided x (a view of a
+    wider buffer); with oneDNN, a matrix decoded whole into one buffer and one decoded in row
+    tiles alike."""
     if gemm == "onednn" and gguf_blocks._onednn_linear is None:
         pytest.skip("this torch build has no oneDNN linear")
+    if gemm == "tidal" and "avx2" not in gg.isas():
+        pytest.skip("the panel kernel is AVX2 only")
     monkeypatch.setenv("TIDAL_CPU_GEMM", gemm)
     if not whole:
         monkeypatch.setattr(gguf_blocks, "WHOLE_VALUES", 0)
@@ -162,6 +166,37 @@ def test_cpu_gemm_env_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ValueError, match="TIDAL_CPU_GEMM"):
             gguf_blocks.cpu_gemm()
     finally:
+        gguf_blocks.cpu_gemm.cache_clear()
+
+
+@pytest.mark.skipif(not gg.available(), reason="no C compiler: the torch fallback runs")
+def test_the_default_prefill_gemm_follows_the_block_kernels_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """tidal's panels where the block kernels run AVX2 (also when TIDAL_KERNEL_ISA caps an
+    AVX-512 machine there); a library where they run AVX-512 or the portable C; and
+    TIDAL_CPU_GEMM=tidal refused where no AVX2 path exists."""
+    library = "onednn" if gguf_blocks._onednn_linear is not None else "mkl"
+    monkeypatch.delenv("TIDAL_CPU_GEMM", raising=False)
+    try:
+        for cap in ("avx512", "avx2", "scalar"):
+            monkeypatch.setenv("TIDAL_KERNEL_ISA", cap)
+            gg.default_isa.cache_clear()
+            gguf_blocks.cpu_gemm.cache_clear()
+            expected = "tidal" if gg.default_isa() == "avx2" else library
+            assert gguf_blocks.cpu_gemm() == expected, cap
+        if "avx2" in gg.isas():
+            monkeypatch.setenv("TIDAL_KERNEL_ISA", "avx2")
+            gg.default_isa.cache_clear()
+            gguf_blocks.cpu_gemm.cache_clear()
+            assert gguf_blocks.cpu_gemm() == "tidal"
+        else:
+            monkeypatch.setenv("TIDAL_CPU_GEMM", "tidal")
+            gguf_blocks.cpu_gemm.cache_clear()
+            with pytest.raises(ValueError, match="AVX2"):
+                gguf_blocks.cpu_gemm()
+    finally:
+        gg.default_isa.cache_clear()
         gguf_blocks.cpu_gemm.cache_clear()
 
 

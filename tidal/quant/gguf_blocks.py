@@ -29,6 +29,7 @@ from tidal.kernels.gguf_gemm import (
     gguf_gemm,
     gguf_gemm_panels,
 )
+from tidal.kernels.gguf_gemm import default_isa as gguf_default_isa
 from tidal.kernels.gguf_gemm import isas as gguf_isas
 
 ACTIVATIONS = ("f32", "q8")
@@ -49,7 +50,8 @@ WHOLE_VALUES = 1 << 22
 # kernels by the CPU's ISA; MKL's sgemm read 81-104 GFLOP/s against oneDNN's 120-171 on a 2-core
 # AMD EPYC with AVX-512 (512x640 @ 640x1638, one process, interleaved), and 96 vs 126 with both
 # capped at AVX2. On an AVX2-only CPU the panels outrun oneDNN (benchmarks/README.md), so they
-# are the default there; where the block kernels run AVX-512, oneDNN stays the default. All are
+# are the default where the block kernels' path is AVX2 (TIDAL_KERNEL_ISA=avx2 included); where
+# they run AVX-512, or the portable C, oneDNN stays the default. All are
 # float32 FMA sums: the same numbers up to summation order. TIDAL_CPU_GEMM selects one.
 CPU_GEMMS = ("tidal", "onednn", "mkl")
 
@@ -230,7 +232,7 @@ def cpu_gemm() -> str:
         raise ValueError("TIDAL_CPU_GEMM=tidal: the block kernels' AVX2 path cannot run here")
     if wanted:
         return wanted
-    if gguf_isas()[:1] == ["avx2"]:  # AVX2 is the best path here (no AVX-512)
+    if gguf_default_isa() == "avx2":  # no AVX-512 here, or TIDAL_KERNEL_ISA=avx2 asked for it
         return "tidal"
     return "onednn" if _onednn_linear is not None else "mkl"
 
