@@ -1026,6 +1026,36 @@ static void quant_x(int isa, const float *x, int64_t K, uint8_t *dst) {
 }
 
 
+/* One call's weight segments, read and checked once for both entry points (segments past nseg
+ * are empty). */
+typedef struct {
+    const uint8_t *w;
+    int type;
+    int64_t n, nb, rb, col0; /* rows, blocks and bytes per row, first output column */
+} seg_t;
+
+static int read_segs(const int64_t *segs, int64_t nseg, int64_t K, seg_t sg[MAX_SEG]) {
+    if (nseg < 0 || nseg > MAX_SEG) return ERR_SHAPE;
+    memset(sg, 0, sizeof(seg_t) * MAX_SEG);
+    int64_t col = 0;
+    for (int s = 0; s < MAX_SEG; s++) {
+        sg[s].col0 = col;
+        if (s >= nseg) continue;
+        sg[s].w = (const uint8_t *)(intptr_t)segs[3 * s];
+        sg[s].type = (int)segs[3 * s + 1];
+        sg[s].n = segs[3 * s + 2];
+        if (sg[s].n < 0) return ERR_SHAPE;
+        col += sg[s].n;
+        if (sg[s].n == 0) continue;
+        int be = tidal_gguf_block_elems(sg[s].type);
+        if (be == 0) return ERR_TYPE;
+        if (K <= 0 || K % be) return ERR_SHAPE;
+        sg[s].nb = K / be;
+        sg[s].rb = sg[s].nb * block_bytes(sg[s].type);
+    }
+    return 0;
+}
+
 /* segs: nseg (<= MAX_SEG) triples (weight pointer, ggml type, rows N_s) sharing K; segment s goes
  * to y's columns from N_0 + ... + N_{s-1}. Integers are int64_t so that every argument travels as
  * one 64-bit word (the ctypes side passes them all as c_void_p, its fastest conversion). Returns
@@ -1033,32 +1063,19 @@ static void quant_x(int isa, const float *x, int64_t K, uint8_t *dst) {
 int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int64_t *segs,
                     int64_t nseg, float *y, int64_t ldy, int64_t act, int64_t isa,
                     int64_t nthreads) {
-    const uint8_t *ws[MAX_SEG] = {0};
-    int ts[MAX_SEG] = {0};
-    int64_t ns[MAX_SEG] = {0};
+    seg_t sg[MAX_SEG];
     tile_fn fn[MAX_SEG] = {0};
-    int64_t nb[MAX_SEG] = {0}, rb[MAX_SEG] = {0}, col0[MAX_SEG], nch[MAX_SEG], total = 0, col = 0;
+    int64_t nch[MAX_SEG], total = 0;
     int needk = 0;
-    if (nseg < 0 || nseg > MAX_SEG) return ERR_SHAPE;
-    for (int s = 0; s < nseg; s++) {
-        ws[s] = (const uint8_t *)(intptr_t)segs[3 * s];
-        ts[s] = (int)segs[3 * s + 1];
-        ns[s] = segs[3 * s + 2];
-    }
+    int rc = read_segs(segs, nseg, K, sg);
+    if (rc) return rc;
     if (act != ACT_F32 && act != ACT_Q8) return ERR_SHAPE;
     for (int s = 0; s < MAX_SEG; s++) {
-        col0[s] = col;
-        col += ns[s];
-        nch[s] = (ns[s] + CHUNK - 1) / CHUNK;
+        nch[s] = (sg[s].n + CHUNK - 1) / CHUNK;
         total += nch[s];
-        if (ns[s] == 0) continue;
-        int be = tidal_gguf_block_elems(ts[s]);
-        if (be == 0) return ERR_TYPE;
-        if (K <= 0 || K % be) return ERR_SHAPE;
-        if (!(fn[s] = pick((int)isa, (int)act, ts[s]))) return ERR_ISA;
-        nb[s] = K / be;
-        rb[s] = nb[s] * block_bytes(ts[s]);
-        needk |= runs32(ts[s]) == 0;
+        if (sg[s].n == 0) continue;
+        if (!(fn[s] = pick((int)isa, (int)act, sg[s].type))) return ERR_ISA;
+        needk |= runs32(sg[s].type) == 0;
     }
     if (M <= 0 || total == 0) return 0;
     /* quantized x: M rows of the 32-form, then M rows of the 256-form (those needed) */
@@ -1086,8 +1103,9 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             int s = 0;
             int64_t cc = c;
             while (cc >= nch[s]) cc -= nch[s++];
-            int64_t lo = cc * CHUNK, hi = lo + CHUNK < ns[s] ? lo + CHUNK : ns[s];
-            int kq = runs32(ts[s]) == 0;
+            const seg_t *g = &sg[s];
+            int64_t lo = cc * CHUNK, hi = lo + CHUNK < g->n ? lo + CHUNK : g->n;
+            int kq = runs32(g->type) == 0;
             const uint8_t *xs = (const uint8_t *)x;
             int64_t ldxs = ldx * (int64_t)sizeof(float);
             if (act == ACT_Q8) {
@@ -1096,8 +1114,8 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             }
 #ifdef HAVE_AVX2
             if (sliced) { /* kernel steps: super-blocks, or runs of 32 */
-                chunk_sliced_avx2(AVX2_PART[ts[s]], ws[s], rb[s], kq ? nb[s] : nb[s] * runs32(ts[s]),
-                                  kq ? 256 : 32, ns[s], xs, ldxs, M, lo, hi, y + col0[s], ldy);
+                chunk_sliced_avx2(AVX2_PART[g->type], g->w, g->rb, kq ? g->nb : g->nb * runs32(g->type),
+                                  kq ? 256 : 32, g->n, xs, ldxs, M, lo, hi, y + g->col0, ldy);
                 continue;
             }
 #endif
@@ -1105,10 +1123,10 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             for (int64_t m = 0; m < M; m += MT) {
                 int mt = (int)(M - m < MT ? M - m : MT);
                 for (int64_t n = lo; n < hi; n++) {
-                    if (m == 0 && n + PREFETCH_ROWS < ns[s])
-                        prefetch(ws[s] + (n + PREFETCH_ROWS) * rb[s], rb[s]);
-                    fn[s](ws[s] + n * rb[s], nb[s], xs + m * ldxs, ldxs, mt, out);
-                    for (int i = 0; i < mt; i++) y[(m + i) * ldy + col0[s] + n] = out[i];
+                    if (m == 0 && n + PREFETCH_ROWS < g->n)
+                        prefetch(g->w + (n + PREFETCH_ROWS) * g->rb, g->rb);
+                    fn[s](g->w + n * g->rb, g->nb, xs + m * ldxs, ldxs, mt, out);
+                    for (int i = 0; i < mt; i++) y[(m + i) * ldy + g->col0 + n] = out[i];
                 }
             }
         }
@@ -1223,8 +1241,9 @@ int tidal_gguf_dequantize(const uint8_t *w, int64_t type, int64_t K, const int64
 #ifdef HAVE_AVX2
 #define PM 6
 #define PN 16
-/* a thread's group of panels: up to this many bytes of them (in L2 together), 8 at most */
+/* a thread's group of panels: up to this many bytes of them (in L2 together), MAX_GROUP at most */
 #define GROUP_BYTES (128 * 1024)
+#define MAX_GROUP 8
 
 /* y rows m0.. (pm of them) x panel columns (pn valid) over all of K. The 12 accumulators are
  * named variables: GCC keeps an array of them in memory, storing it on every k. */
@@ -1269,35 +1288,21 @@ static void build_panel(int type, const uint8_t *w, int64_t rb, int64_t nb, int6
 int tidal_gguf_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const int64_t *segs,
                            int64_t nseg, float *y, int64_t ldy, int64_t nthreads) {
 #ifdef HAVE_AVX2
-    const uint8_t *ws[MAX_SEG] = {0};
-    int ts[MAX_SEG] = {0};
-    int64_t ns[MAX_SEG] = {0}, nb[MAX_SEG] = {0}, rb[MAX_SEG] = {0}, col0[MAX_SEG] = {0};
+    seg_t sg[MAX_SEG];
     int64_t np[MAX_SEG + 1] = {0}; /* panels before segment s */
-    if (!tidal_gguf_has_avx2()) return ERR_ISA;
-    if (nseg < 0 || nseg > MAX_SEG || K <= 0) return ERR_SHAPE;
-    int64_t col = 0;
-    for (int s = 0; s < nseg; s++) {
-        ws[s] = (const uint8_t *)(intptr_t)segs[3 * s];
-        ts[s] = (int)segs[3 * s + 1];
-        ns[s] = segs[3 * s + 2];
-        int be = tidal_gguf_block_elems(ts[s]);
-        if (be == 0) return ERR_TYPE;
-        if (K % be || ns[s] < 0) return ERR_SHAPE;
-        nb[s] = K / be;
-        rb[s] = nb[s] * block_bytes(ts[s]);
-        col0[s] = col;
-        col += ns[s];
-        np[s + 1] = np[s] + (ns[s] + PN - 1) / PN;
-    }
-    int64_t total = np[nseg];
+    int rc = read_segs(segs, nseg, K, sg);
+    if (rc) return rc;
+    for (int s = 0; s < MAX_SEG; s++) np[s + 1] = np[s] + (sg[s].n + PN - 1) / PN;
+    int64_t total = np[MAX_SEG];
     if (M <= 0 || total == 0) return 0;
-    int failed = 0;
+    int failed = 0, nt = nthreads > 1 ? (int)nthreads : 1;
+    /* panels per group: GROUP_BYTES of them, but a group for every thread where there are enough */
     int64_t G = (int64_t)GROUP_BYTES / (K * PN * (int64_t)sizeof(float));
-    int64_t per_thread = (total + (nthreads > 1 ? nthreads : 1) - 1) / (nthreads > 1 ? nthreads : 1);
-    G = G > per_thread ? per_thread : G; /* every thread gets a group where there are enough */
-    G = G < 1 ? 1 : G > 8 ? 8 : G;
+    int64_t per_thread = (total + nt - 1) / nt;
+    G = G > per_thread ? per_thread : G;
+    G = G < 1 ? 1 : G > MAX_GROUP ? MAX_GROUP : G;
     int64_t ngroups = (total + G - 1) / G;
-#pragma omp parallel num_threads(nthreads > 0 ? (int)nthreads : 1)
+#pragma omp parallel num_threads(nt)
     {
         float *panel = aligned_alloc(32, sizeof(float) * (size_t)(G * K * PN + K));
         if (!panel) {
@@ -1308,22 +1313,23 @@ int tidal_gguf_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, co
         for (int64_t gi = 0; gi < ngroups; gi++) {
             if (!panel) continue;
             int64_t p0 = gi * G, p1 = p0 + G < total ? p0 + G : total;
-            int gs[8], gpn[8];
-            int64_t gn0[8];
+            int gpn[MAX_GROUP];     /* each panel's valid columns */
+            int64_t gcol[MAX_GROUP]; /* and its first output column */
             for (int64_t p = p0; p < p1; p++) {
                 int s = 0;
                 while (p >= np[s + 1]) s++;
                 int64_t n0 = (p - np[s]) * PN;
                 int i = (int)(p - p0);
-                gs[i] = s, gn0[i] = n0, gpn[i] = (int)(ns[s] - n0 < PN ? ns[s] - n0 : PN);
-                build_panel(ts[s], ws[s], rb[s], nb[s], K, n0, gpn[i], panel + G * K * PN,
-                            panel + i * K * PN);
+                gpn[i] = (int)(sg[s].n - n0 < PN ? sg[s].n - n0 : PN);
+                gcol[i] = sg[s].col0 + n0;
+                build_panel(sg[s].type, sg[s].w, sg[s].rb, sg[s].nb, K, n0, gpn[i],
+                            panel + G * K * PN, panel + i * K * PN);
             }
             for (int64_t m = 0; m < M; m += PM) {
                 int pm = (int)(M - m < PM ? M - m : PM);
                 for (int i = 0; i < (int)(p1 - p0); i++)
                     panel_block(x + m * ldx, ldx, K, panel + i * K * PN, pm, gpn[i],
-                                y + m * ldy + col0[gs[i]] + gn0[i], ldy);
+                                y + m * ldy + gcol[i], ldy);
             }
         }
         free(panel);

@@ -51,8 +51,8 @@ WHOLE_VALUES = 1 << 22
 # AMD EPYC with AVX-512 (512x640 @ 640x1638, one process, interleaved), and 96 vs 126 with both
 # capped at AVX2. On an AVX2-only CPU the panels outrun oneDNN (benchmarks/README.md), so they
 # are the default where the block kernels' path is AVX2 (TIDAL_KERNEL_ISA=avx2 included); where
-# they run AVX-512, or the portable C, oneDNN stays the default. All are
-# float32 FMA sums: the same numbers up to summation order. TIDAL_CPU_GEMM selects one.
+# they run AVX-512, or the portable C, oneDNN stays the default. All are float32 FMA sums: the
+# same numbers up to summation order. TIDAL_CPU_GEMM selects one.
 CPU_GEMMS = ("tidal", "onednn", "mkl")
 
 
@@ -146,7 +146,8 @@ class GGUFLinear(nn.Module):
             y = gguf_gemm_panels(x, self.parts)
             if y is not None:
                 return y
-            gemm = "onednn" if _onednn_linear is not None else "mkl"  # e.g. a strided x
+            # x the panels cannot take (a non-unit inner stride): a library
+            gemm = "onednn" if _onednn_linear is not None else "mkl"
         onednn = gemm == "onednn"
         if onednn:
             x = x.contiguous()
