@@ -125,7 +125,7 @@ def test_rows_are_bit_identical_whatever_the_batch(isa: str, t: Q, act: str) -> 
         (Q.Q5_0, Q.Q5_0, Q.Q8_0),
         (Q.Q4_K, Q.Q6_K),
         (Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q4_0),
-        (Q.IQ4_XS, Q.Q4_K, Q.IQ4_NL),  # IQ4_XS's q8 rows are the 32-form beside Q4_K's 256-form
+        (Q.IQ4_XS, Q.Q4_K, Q.IQ4_NL),  # runs of 32 in super-blocks, K-quants, 32-blocks
     ],
     ids=lambda ts: "+".join(t.name for t in ts),
 )
@@ -161,13 +161,39 @@ def test_strided_x_and_an_out_slice(isa: str, k: int, act: str) -> None:
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("act", gg.ACTS)
 def test_scalar_agrees_with_simd(t: Q, act: str) -> None:
+    """f32: another summation order, within 2e-6 of S. q8: the same exact integers and the same
+    float steps (one FMA per run), so the same bits."""
     k = _k_of(t)
     w = weight(t, 19, k)
     torch.manual_seed(5)
     x = torch.randn(6, k)
     fast, slow = gg.gguf_gemm(x, [w], act, ISAS[0]), gg.gguf_gemm(x, [w], act, "scalar")
+    if act == "q8":
+        assert torch.equal(fast, slow)
+        return
     scale = torch.from_numpy(np.abs(x.numpy()) @ np.abs(dequantized(w)).T)
     assert ((fast - slow).abs() <= 2e-6 * scale).all()
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_q8_paths_give_the_same_bits(t: Q) -> None:
+    """q8 on the SIMD paths: one or two rows of x meet the weights in place, more go through
+    panels of eight weight rows, 16 runs and 64 rows of x at a time. Shapes past every one of
+    those bounds (N 21: two groups and a part; 41 runs of 32 or 5 super-blocks: three slabs;
+    M 130: three passes of rows) give the portable C's bits on each path, whatever the batch
+    and the thread count."""
+    n, k = 21, _k_of(t, 41, 5)
+    w = weight(t, n, k, seed=13, random_bytes=True)
+    torch.manual_seed(13)
+    x = torch.randn(130, k)
+    ref = gg.gguf_gemm(x, w, "q8", "scalar")
+    check(ref, x, w, "q8")
+    for isa in ISAS:
+        full = gg.gguf_gemm(x, w, "q8", isa, threads=2)
+        assert torch.equal(full, ref), isa
+        for lo, hi in ((0, 1), (7, 9), (3, 6), (64, 128), (1, 130)):
+            assert torch.equal(gg.gguf_gemm(x[lo:hi], w, "q8", isa), ref[lo:hi]), (isa, lo, hi)
+        assert torch.equal(gg.gguf_gemm(x, w, "q8", isa, threads=3), ref), isa
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -233,8 +259,7 @@ def test_isas_and_the_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif("avx512" not in ISAS, reason="no AVX-512 VNNI path here")
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_avx512_against_avx2(t: Q) -> None:
-    """q8: VNNI sums the same exact integers AVX2's maddubs/madd do, and the float steps that
-    follow are AVX2's: equal bits. f32: another summation order (and table-decoded weights),
+    """q8: AVX-512 runs AVX2's q8 kernels: equal bits. f32: another summation order (and table-decoded weights),
     within the f32 tolerance of each other."""
     k = _k_of(t, 9, 3)
     w = weight(t, 35, k, random_bytes=True)

@@ -27,16 +27,18 @@
  * act F32: weights are decoded in registers and meet float32 x in FMAs: the float32 matmul with
  *   the dequantized weights, up to summation order (a 32-block's d, and Q6_K's d*sc per 16 values,
  *   multiply the partial sum of their values' q * x).
- * act Q8: each row of x is quantized once per call, to int8 with a float scale per 32 values (the
- *   32-form); the K-quants read the same codes and scales regrouped per 256 with the sums of every
- *   16 codes (the 256-form), and scale each 32 values' integer sum by its own scale. ggml's Q8_K
- *   has one scale per 256 there: on the bundled model that read +0.32% perplexity against +0.12%
- *   (top-1 agreement 95.3% against 97.3%; docs/quantization.md), for ~20% more time in the
- *   Q4_K kernel at M = 1 (none from 8 rows up). Dot products run on integer SIMD (AVX2 maddubs/madd, AVX-512 VNNI dpbusd for
- *   the runs of 32; the K-quants run AVX2's kernel on AVX-512 machines too): slightly different
- *   numbers from float. The integer sums are exact on every path (no int16 saturation: the sign
- *   trick bounds maddubs' pairs), so AVX2 and AVX-512 give the same q8 bits.
- *
+ * act Q8: each row of x is quantized once per call, to int8 with a float scale per 32 values and
+ *   the sums of each 16 codes (X32_BYTES). Every type, the K-quants included, meets x run by run:
+ *   per (row of x, output, run of 32 values) an exact integer dot product s (the K-quants' 6-bit
+ *   scales inside it, their mins as m * (sum of x's codes)), then the float steps
+ *       acc = fma((float)s, d_w * d_x, acc)                     runs of 32
+ *       acc = fma((float)s, d * d_x, acc); acc = fma(-(float)smin, dmin * d_x, acc)   K-quants
+ *   in run order. Those steps are the same on every path (scalar fmaf, AVX2 FMA), so every ISA,
+ *   every M and every thread count give the same bits. ggml's Q8_K has one scale per 256 for the
+ *   K-quants: on the bundled model that read +0.32% perplexity against +0.12% (top-1 agreement
+ *   95.3% against 97.3%; docs/quantization.md). On AVX2 (and AVX-512, which runs AVX2's q8) the
+ *   integer sums run on maddubs/madd, eight outputs at a time, one per lane (q8_group_avx2): no
+ *   int16 saturation (the sign trick for the signed types, unsigned codes below 64 otherwise).
  * Batch invariance (the contract): every y[m, n] is computed by the same sequence of float
  * operations whatever M is, wherever row m falls in a tile of MT rows, and whatever the thread
  * count: a tile runs each of its rows through identical per-row code, a row's quantization
@@ -45,14 +47,14 @@
  *
  * Work: ONE OpenMP region per call covers up to MAX_SEG matrices sharing K (fused q/k/v, gate/up,
  * whose types may differ). Chunks of CHUNK weight rows are split statically over the threads; in
- * a chunk, each tile of up to MT rows of x passes once over each weight row while it is in L1.
+ * a chunk, f32 passes each tile of up to MT rows of x once over each weight row while it is in
+ * L1, and q8 on AVX2 takes the chunk's weight rows QG at a time (q8_group_avx2).
  * Kernels: one function per (type, act, ISA), picked at run time by `isa`: ISA_AVX512 (compiled
  * where the build has AVX-512 F/BW/VL + VNNI besides AVX2's set), ISA_AVX2 (AVX2+FMA+F16C) or
- * ISA_SCALAR (plain C, the same math summed in another order). Each is a table in pick(); an
- * entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up in a
- * table of their block's float weights (one permute per 16 codes, see b32_weights512), its q8 of
- * the runs of 32 is AVX2's with VNNI; the activations' quantization, the K-quants' q8 and the
- * dequantization are AVX2's on it. */
+ * ISA_SCALAR (plain C; f32 sums in another order, q8 gives the same bits). Each is a table in
+ * pick(); an entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up
+ * in a table of their block's float weights (one permute per 16 codes, see b32_weights512); the
+ * activations' quantization, q8 and the dequantization are AVX2's on it. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -86,9 +88,8 @@ enum { ERR_TYPE = -1, ERR_SHAPE = -2, ERR_ISA = -3, ERR_NOMEM = -4 };
 #define SLICE_ABOVE 32768 /* tiles whose x is larger are sliced (K = 2048 at 8 rows: 5-8% faster;
                              K = 1024 gained nothing) */
 #define MAX_SEG 4
-#define X32_BYTES 36     /* quantized x per 32 values: float d | int8 q[32] */
-#define XK_BYTES 320     /* per 256: float d[8] (one per 32) | int16 bsum[16] (sums of 16 codes) | int8 q[256] */
-#define XK_Q 64          /* where the 256-form's codes start */
+#define X32_BYTES 40     /* quantized x per 32 values: float d | int16 bsum[2] (sums of 16 codes) | int8 q[32] */
+#define X32_Q 8          /* where a run's codes start */
 #define ALWAYS static inline __attribute__((always_inline))
 
 /* 0 for a type this file does not multiply */
@@ -160,7 +161,7 @@ static float half_to_float(const uint8_t *p) {
  * Q6_K keeps q unsigned (0..63) with mn = 32*sc and dmin = d, so one integer kernel serves all
  * three. fs, fm = d*sc, dmin*mn as float, filled by the AVX2 decoder when asked. */
 typedef struct {
-    uint8_t q[256];
+    _Alignas(32) uint8_t q[256]; /* aligned in arrays of kblocks too */
     int16_t sc[16], mn[16];
     float fs[16], fm[16];
     float d, dmin;
@@ -255,26 +256,14 @@ static void quant_x_scalar(const float *x, int64_t K, uint8_t *dst) {
         float amax = 0.0f;
         for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[i]));
         float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        int8_t *q = (int8_t *)(dst + 4);
-        for (int i = 0; i < 32; i++) q[i] = (int8_t)rintf(x[i] * id);
+        int8_t *q = (int8_t *)(dst + X32_Q);
+        int16_t bsum[2] = {0, 0};
+        for (int i = 0; i < 32; i++) {
+            q[i] = (int8_t)rintf(x[i] * id);
+            bsum[i / 16] = (int16_t)(bsum[i / 16] + q[i]);
+        }
         memcpy(dst, &d, 4);
-    }
-}
-
-/* the 256-form from the 32-form's bytes of the same row (identical scales and codes): per 256,
- * the eight scales, the sums of every 16 codes, the codes */
-static void x32_to_xk(const uint8_t *x32, int64_t K, uint8_t *dst) {
-    for (int64_t b = 0; b < K / 256; b++, dst += XK_BYTES) {
-        int8_t *q = (int8_t *)(dst + XK_Q);
-        for (int j = 0; j < 8; j++, x32 += X32_BYTES) {
-            memcpy(dst + 4 * j, x32, 4);
-            memcpy(q + 32 * j, x32 + 4, 32);
-        }
-        for (int s = 0; s < 16; s++) {
-            int16_t t = 0;
-            for (int i = 0; i < 16; i++) t = (int16_t)(t + q[16 * s + i]);
-            memcpy(dst + 32 + 2 * s, &t, 2);
-        }
+        memcpy(dst + 4, bsum, 4);
     }
 }
 
@@ -298,12 +287,12 @@ static float b32_q8_row(int type, const uint8_t *w, int64_t nb, const uint8_t *x
     float acc = 0.0f, dx;
     int8_t q[32];
     for (int64_t b = 0; b < nb * runs32(type); b++, x += X32_BYTES) {
-        const int8_t *xq = (const int8_t *)(x + 4);
+        const int8_t *xq = (const int8_t *)(x + X32_Q);
         float dw = b32_decode_scalar(type, w, b, q);
         int32_t s = 0;
         for (int j = 0; j < 32; j++) s += q[j] * xq[j];
         memcpy(&dx, x, 4);
-        acc += (float)s * (dw * dx);
+        acc = fmaf((float)s, dw * dx, acc);
     }
     return acc;
 }
@@ -320,22 +309,27 @@ static float k_f32_row(int type, const uint8_t *w, int64_t nb, const float *x) {
 }
 
 static float k_q8_row(int type, const uint8_t *w, int64_t nb, const uint8_t *x) {
-    float acc = 0.0f, dx[8];
-    int16_t bsum[16];
+    float acc = 0.0f, dx;
+    int16_t bsum[2];
     kblock k;
-    for (int64_t b = 0; b < nb; b++, x += XK_BYTES) {
-        const int8_t *xq = (const int8_t *)(x + XK_Q);
+    for (int64_t b = 0; b < nb; b++) {
         k_decode_scalar(type, w + b * block_bytes(type), &k);
-        memcpy(dx, x, 32);
-        memcpy(bsum, x + 32, 32);
-        for (int c = 0; c < 8; c++) { /* 32 values: one scale of x, two 16s of the weight's */
-            int32_t s = 0, smin = 0;
-            for (int j = 32 * c; j < 32 * c + 32; j++) s += k.sc[j / 16] * k.q[j] * xq[j];
-            smin = k.mn[2 * c] * bsum[2 * c] + k.mn[2 * c + 1] * bsum[2 * c + 1];
-            acc += (float)s * (k.d * dx[c]) - (float)smin * (k.dmin * dx[c]);
+        for (int c = 0; c < 8; c++, x += X32_BYTES) { /* 32 values: one scale of x, two 16s of the weight's */
+            const int8_t *xq = (const int8_t *)(x + X32_Q);
+            int32_t s = 0;
+            for (int j = 0; j < 32; j++) s += k.sc[2 * c + j / 16] * k.q[32 * c + j] * xq[j];
+            memcpy(&dx, x, 4);
+            memcpy(bsum, x + 4, 4);
+            int32_t smin = k.mn[2 * c] * bsum[0] + k.mn[2 * c + 1] * bsum[1];
+            acc = fmaf((float)s, k.d * dx, acc);
+            acc = fmaf(-(float)smin, k.dmin * dx, acc);
         }
     }
     return acc;
+}
+
+static inline void prefetch(const uint8_t *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
 }
 
 #ifdef HAVE_AVX2
@@ -491,21 +485,6 @@ ALWAYS void b32_f32_step(int type, const uint8_t *w, const uint8_t *x, int64_t l
     }
 }
 
-ALWAYS void b32_q8_step(int type, const uint8_t *w, const uint8_t *x, int64_t ldx, int64_t b,
-                        int mt, __m256 *acc) {
-    float dw;
-    __m256i q = b32_decode_avx2(type, w, b, &dw);
-    __m256i aq = _mm256_sign_epi8(q, q); /* maddubs wants an unsigned side: |w| * (x signed as w) */
-    __m256 dwv = _mm256_set1_ps(dw);
-    EACH_ROW(i) {
-        const uint8_t *xb = x + i * ldx + b * X32_BYTES;
-        __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4)), q);
-        __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, sx), _mm256_set1_epi16(1));
-        __m256 d = _mm256_mul_ps(dwv, _mm256_broadcast_ss((const float *)xb));
-        acc[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[i]);
-    }
-}
-
 /* One weight row at a time: interleaving several rows' streams was measured 1.9x slower on the
  * DRAM-bound LM head (the prefetcher follows one stream per thread best). */
 #define B32_BODY(name, step)                                                                  \
@@ -517,7 +496,6 @@ ALWAYS void b32_q8_step(int type, const uint8_t *w, const uint8_t *x, int64_t ld
         EACH_ROW(i) out[i] = hsum8(acc[i]);                                                   \
     }
 B32_BODY(b32_f32_avx2, b32_f32_step)
-B32_BODY(b32_q8_avx2, b32_q8_step)
 
 /* The same runs' operations as b32_f32_avx2, runs b0..b1-1 only, the rows' accumulators kept in
  * acc between calls (stored and reloaded exactly): a K-sliced pass (see gemm_sliced_avx2) gives
@@ -623,38 +601,400 @@ ALWAYS void k_f32_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x,
     EACH_ROW(i) out[i] = hsum8(acc[i]);
 }
 
-ALWAYS void k_q8_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx,
-                      int mt, float *out) {
-    _Alignas(32) kblock k;
-    __m256 acc[MT];
-    EACH_ROW(i) acc[i] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        k_decode_avx2(type, w + b * block_bytes(type), &k, 0);
-        /* mins: int32 lane c of madd(mn, bsum) covers codes 32c..32c+31, x's run c */
-        __m256i mn = _mm256_load_si256((const __m256i *)k.mn);
-        __m256 dv = _mm256_set1_ps(k.d), dmv = _mm256_set1_ps(k.dmin);
-        _Alignas(32) float dd[MT][8]; /* d * x's scale of each run, per row */
-        EACH_ROW(i) {
-            const uint8_t *xb = x + i * ldx + b * XK_BYTES;
-            __m256 dx = _mm256_loadu_ps((const float *)xb);
-            _mm256_store_ps(dd[i], _mm256_mul_ps(dv, dx));
-            __m256i smin = _mm256_madd_epi16(mn, _mm256_loadu_si256((const __m256i *)(xb + 32)));
-            acc[i] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), _mm256_mul_ps(dmv, dx), acc[i]);
+/* ---- q8 on AVX2: QG weight rows (outputs) at a time, one per lane ----
+ * A group's runs of 32 values are decoded for its QG rows, QSLAB runs at a time, and transposed
+ * into a panel: vector g of a run holds, in lane c, codes 4g..4g+3 of row c. Rows of x (QR at a
+ * time, their accumulators in registers) then meet each run as broadcasts of four codes; maddubs
+ * and madd leave each lane's exact integer dot product in that lane (no reduction across lanes),
+ * and one FMA per row of x (two for the K-quants) adds it to the row's QG outputs: the float steps
+ * of the scalar kernels, in the same order. A slab is decoded once per QM rows of x. */
+#define QG 8     /* weight rows per group: one per lane */
+#define QM 64    /* rows of x per pass over a group's slabs (their accumulators wait in L1) */
+#define QSLAB 16 /* runs per slab (11 KiB of panel; two super-blocks of a K-quant) */
+#define QR 4     /* rows of x per pass over a slab */
+
+typedef struct {
+    __m256i u[8], s[8]; /* the codes (|q| for the signed types), and q for its signs */
+    __m256i sc[2], mn;  /* K-quants: each lane's scales of codes 0-15 and 16-31 (both int16
+                           halves), and its two mins (low, high int16) */
+    __m256 d, dm;       /* each lane's d_w (runs of 32), or d and dmin (K-quants) */
+} qrun;
+
+/* v[g], lane c <- dword g of r[c] (an 8 x 8 transpose of 32-bit elements) */
+ALWAYS void transpose8(const __m256i r[8], __m256i v[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int h = 0; h < 2; h++) { /* rows 4h..4h+3: u[4h + g] holds their dwords g and g + 4 */
+        u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+        u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+        u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+    }
+    for (int g = 0; g < 4; g++) {
+        v[g] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x20);
+        v[g + 4] = _mm256_permute2x128_si256(u[g], u[4 + g], 0x31);
+    }
+}
+
+/* Q4_0 and Q5_0's run g as its unsigned codes (v = d*(q - 8), d*(q - 16)); *d its scale */
+ALWAYS __m256i b32_codes_avx2(int type, const uint8_t *w, int64_t g, float *d) {
+    const uint8_t *b = w + g * block_bytes(type);
+    *d = half_f16c(b);
+    if (type == T_Q4_0) return nibbles(b + 2);
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    return _mm256_or_si256(nibbles(b + 6), _mm256_and_si256(bit_bytes(qh), _mm256_set1_epi8(0x10)));
+}
+
+/* the offset of Q4_0/Q5_0's unsigned codes; 0: a signed type (Q8_0, IQ4), or a K-quant */
+ALWAYS int code_offset(int type) { return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0; }
+
+/* the dwords at base + idx[c] for the lanes c < nc, zeros past nc. Gathered: a vector built from
+ * eight scalar stores would wait for store forwarding to fail, once per run. */
+ALWAYS __m256i gather_lanes(const void *base, __m256i idx, int nc) {
+    __m256i live = _mm256_cmpgt_epi32(_mm256_set1_epi32(nc), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)base, idx, live, 1);
+}
+
+/* (0, 1, ..., 7) * stride: the lanes' byte offsets for gather_lanes */
+ALWAYS __m256i lane_offsets(int64_t stride) {
+    return _mm256_mullo_epi32(_mm256_set1_epi32((int)stride), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* part i of n of the `bytes` at p (the next group's, in step with this group's runs) */
+static inline void prefetch_part(const uint8_t *p, int64_t i, int64_t n, int64_t bytes) {
+    if (!p) return;
+    int64_t a = i * bytes / n;
+    prefetch(p + a, (i + 1) * bytes / n - a);
+}
+
+/* the group's scales and mins per run: sc[j], lane c = k[c].sc[2j] | k[c].sc[2j+1] << 16 (mn
+ * likewise), by transposing the eight kblocks' int16 arrays (dword j holds run j's pair) */
+ALWAYS void k_scales_t(const kblock *k, __m256i sc[8], __m256i mn[8]) {
+    __m256i r[QG];
+    for (int c = 0; c < QG; c++) r[c] = _mm256_load_si256((const __m256i *)k[c].sc);
+    transpose8(r, sc);
+    for (int c = 0; c < QG; c++) r[c] = _mm256_load_si256((const __m256i *)k[c].mn);
+    transpose8(r, mn);
+}
+
+/* super-block b of a K-quant group's nc rows into k[0..nc-1] (k[nc..] stay zeros); d, dm: each
+ * lane's d and dmin; sc, mn: per run, as k_scales_t gives them */
+ALWAYS void k_decode_group(int type, const uint8_t *w, int64_t rb, int nc, int64_t b, kblock *k,
+                           __m256 *d, __m256 *dm, __m256i sc[8], __m256i mn[8]) {
+    const __m256i at = lane_offsets(sizeof(kblock));
+    for (int c = 0; c < nc; c++) k_decode_avx2(type, w + c * rb + b * block_bytes(type), &k[c], 0);
+    *d = _mm256_castsi256_ps(gather_lanes(&k[0].d, at, nc));
+    *dm = _mm256_castsi256_ps(gather_lanes(&k[0].dmin, at, nc));
+    k_scales_t(k, sc, mn);
+}
+
+/* each lane's scale of run r (rows: the lanes' byte offsets c * rb; zeros past nc) */
+ALWAYS __m256 b32_scales(int type, const uint8_t *w, int64_t rb, int nc, int64_t r, __m256i rows) {
+    if (type == T_IQ4_XS) { /* from each super-block's 6-bit run scales */
+        float ds[QG];
+        for (int c = 0; c < QG; c++) {
+            const uint8_t *sb = w + c * rb + (r >> 3) * 136;
+            ds[c] = c < nc ? xs_scale(sb, (int)(r & 7), half_f16c(sb)) : 0.0f;
         }
-        for (int c = 0; c < 8; c++) { /* 32 codes: int16 lanes 0-7 take scale 2c, 8-15 2c+1 */
-            __m256i q = _mm256_load_si256((const __m256i *)(k.q + 32 * c));
-            __m256i sc = type != T_Q6_K ? _mm256_set1_epi16(k.sc[2 * c])
-                                        : _mm256_set_m128i(_mm_set1_epi16(k.sc[2 * c + 1]),
-                                                           _mm_set1_epi16(k.sc[2 * c]));
-            EACH_ROW(i) { /* exact: |sum| < 2^31 for 6-bit codes, 8-bit scales and x */
-                const uint8_t *xb = x + i * ldx + b * XK_BYTES;
-                const __m256i *xq = (const __m256i *)(xb + XK_Q);
-                __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256(xq + c)), sc);
-                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&dd[i][c]), acc[i]);
+        return _mm256_setr_ps(ds[0], ds[1], ds[2], ds[3], ds[4], ds[5], ds[6], ds[7]);
+    }
+    /* the f16 d at each block's start: the low halves of the gathered dwords */
+    __m256i h = gather_lanes(w + r * block_bytes(type), rows, nc);
+    h = _mm256_shuffle_epi8(h, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1,
+                                                 -1, -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1,
+                                                 -1, -1, -1, -1));
+    h = _mm256_permute4x64_epi64(h, 0x08); /* qwords 0, 2 */
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+}
+
+/* runs r0..r1-1 of a group of the runs of 32 into P */
+ALWAYS void b32_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t r0, int64_t r1,
+                      int64_t runs, const uint8_t *pf, qrun *P) {
+    const int off = code_offset(type);
+    const __m256i rows = lane_offsets(rb);
+    for (int64_t r = r0; r < r1; r++) {
+        qrun *p = P + (r - r0);
+        __m256i q[QG];
+        float d;
+        prefetch_part(pf, r, runs, QG * rb);
+        for (int c = 0; c < QG; c++) /* lanes past nc multiply zeros */
+            q[c] = c >= nc ? _mm256_setzero_si256()
+                   : off   ? b32_codes_avx2(type, w + c * rb, r, &d)
+                           : b32_decode_avx2(type, w + c * rb, r, &d);
+        transpose8(q, off ? p->u : p->s);
+        if (!off)
+            for (int g = 0; g < 8; g++) p->u[g] = _mm256_sign_epi8(p->s[g], p->s[g]);
+        p->d = b32_scales(type, w, rb, nc, r, rows);
+    }
+}
+
+/* super-blocks b0..b1-1 of a K-quant group into P (eight runs each) */
+ALWAYS void k_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t b0, int64_t b1,
+                    int64_t nb, const uint8_t *pf, qrun *P) {
+    _Alignas(32) kblock k[QG];
+    const __m256i lo2 = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1,
+                                         0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
+    const __m256i hi2 = _mm256_add_epi8(lo2, _mm256_set1_epi8(2));
+    for (int c = nc; c < QG; c++) memset(&k[c], 0, sizeof k[c]); /* lanes past nc: zeros */
+    for (int64_t b = b0; b < b1; b++) {
+        __m256 d, dm;
+        _Alignas(32) __m256i scs[8], mns[8];
+        prefetch_part(pf, b, nb, QG * rb);
+        k_decode_group(type, w, rb, nc, b, k, &d, &dm, scs, mns);
+        for (int j = 0; j < 8; j++) { /* run j: codes 32j.., scales 2j (codes 0-15), 2j+1 */
+            qrun *p = P + 8 * (b - b0) + j;
+            __m256i q[QG];
+            for (int c = 0; c < QG; c++) /* lanes past nc multiply zeros */
+                q[c] = c < nc ? _mm256_load_si256((const __m256i *)(k[c].q + 32 * j))
+                              : _mm256_setzero_si256();
+            transpose8(q, p->u);
+            p->sc[0] = _mm256_shuffle_epi8(scs[j], lo2); /* both halves: sc[2j] */
+            p->sc[1] = _mm256_shuffle_epi8(scs[j], hi2);
+            p->mn = mns[j];
+            p->d = d;
+            p->dm = dm;
+        }
+    }
+}
+
+/* four codes of x (bytes 4g..4g+3 of a run's codes at xq) in every dword */
+#define XB(xq, g) _mm256_set1_epi32(*(const int32_t *)((xq) + 4 * (g)))
+
+/* R (<= QR) rows of x (from x, run 0 of the slab) against the slab's nr runs, into a0..a3.
+ * Unsigned codes (Q4_0, Q5_0, K-quants): the int16 products of `sum16` vectors are added before
+ * one madd (at most sum16 * 2 * code max * 127 < 2^15: 8 for 4-bit codes, 4 for 5-bit, 2 for
+ * Q6_K's 6-bit). Signed (Q8_0, IQ4): the sign trick (|q| against x with q's signs; |-128| reads
+ * 128 unsigned), one madd each. The rows' values are named (ROW4 spells them out): GCC keeps
+ * arrays of vectors in memory here. */
+#define ROW4(OP) OP(0) OP(1) OP(2) OP(3)
+#define XQ(i, g) XB(x + (i) * ldx + X32_Q, g)
+ALWAYS void q8_rows(int type, const qrun *P, int64_t nr, const uint8_t *x, int64_t ldx, int R,
+                    __m256 *acc) {
+    const int kq = runs32(type) == 0, off = code_offset(type);
+    const int sum16 = kq ? (type == T_Q6_K ? 2 : 4) : type == T_Q4_0 ? 8 : 4;
+    const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+#define LOAD_A(i) __m256 a##i = R > i ? acc[i] : _mm256_setzero_ps();
+    ROW4(LOAD_A)
+    for (int64_t r = 0; r < nr; r++, x += X32_BYTES) {
+        const qrun *p = P + r;
+        __m256i s0 = zero, s1 = zero, s2 = zero, s3 = zero;
+        if (kq || off) {
+            for (int g0 = 0; g0 < 8; g0 += sum16) {
+                __m256i m = kq ? p->sc[g0 / 4] : ones, u = p->u[g0];
+#define H_FIRST(i) __m256i h##i = R > i ? _mm256_maddubs_epi16(u, XQ(i, g0)) : zero;
+                ROW4(H_FIRST)
+                for (int g = g0 + 1; g < g0 + sum16; g++) {
+                    u = p->u[g];
+#define H_ADD(i) if (R > i) h##i = _mm256_add_epi16(h##i, _mm256_maddubs_epi16(u, XQ(i, g)));
+                    ROW4(H_ADD)
+                }
+#define S_ADD(i) if (R > i) s##i = _mm256_add_epi32(s##i, _mm256_madd_epi16(h##i, m));
+                ROW4(S_ADD)
+            }
+        } else {
+            for (int g = 0; g < 8; g++) {
+                __m256i u = p->u[g], sg = p->s[g];
+#define S_SIGNED(i)                                                                           \
+    if (R > i)                                                                                \
+        s##i = _mm256_add_epi32(                                                              \
+            s##i, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(XQ(i, g), sg)), ones));
+                ROW4(S_SIGNED)
+            }
+        }
+#define EPILOGUE(i)                                                                           \
+    if (R > i) {                                                                              \
+        const uint8_t *xr = x + i * ldx;                                                      \
+        __m256 dx = _mm256_broadcast_ss((const float *)xr);                                   \
+        int16_t bs[2];                                                                        \
+        memcpy(bs, xr + 4, 4);                                                                \
+        if (off) s##i = _mm256_sub_epi32(s##i, _mm256_set1_epi32(off * (bs[0] + bs[1])));     \
+        a##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s##i), _mm256_mul_ps(p->d, dx), a##i);       \
+        if (kq) {                                                                             \
+            int32_t bp;                                                                       \
+            memcpy(&bp, xr + 4, 4);                                                           \
+            __m256i smin = _mm256_madd_epi16(p->mn, _mm256_set1_epi32(bp));                   \
+            a##i = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), _mm256_mul_ps(p->dm, dx), a##i); \
+        }                                                                                     \
+    }
+        ROW4(EPILOGUE)
+    }
+#define STORE_A(i) if (R > i) acc[i] = a##i;
+    ROW4(STORE_A)
+#undef LOAD_A
+#undef H_FIRST
+#undef H_ADD
+#undef S_ADD
+#undef S_SIGNED
+#undef EPILOGUE
+#undef STORE_A
+}
+#undef XQ
+
+/* ---- q8 on AVX2 for 1..QD rows of x: the same integers and float steps without a panel ----
+ * Each weight row's run meets a row of x in place (lanes: groups of four values); one reduction
+ * per row of x leaves the QG dot products in the lanes, then the panel path's epilogue. Cheaper
+ * than building a panel when it would serve one or two rows of x. */
+#define QD 2 /* rows of x up to which q8_direct runs */
+
+/* lo[c], hi[c]: the sums of lanes 0-3 and 4-7 of p_c (exact; unpacks, cheaper than hadd here) */
+ALWAYS __m256i pair_sums(__m256i a, __m256i b) { /* per half: a0+a2, b0+b2, a1+a3, b1+b3 */
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+ALWAYS __m256i quad_sums(__m256i t, __m256i u) { /* per half: the four lanes' sums of a, b, c, d */
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(t, u), _mm256_unpackhi_epi64(t, u));
+}
+ALWAYS void hsum8x8_halves(__m256i p0, __m256i p1, __m256i p2, __m256i p3, __m256i p4,
+                           __m256i p5, __m256i p6, __m256i p7, __m256i *lo, __m256i *hi) {
+    __m256i a = quad_sums(pair_sums(p0, p1), pair_sums(p2, p3));
+    __m256i b = quad_sums(pair_sums(p4, p5), pair_sums(p6, p7));
+    /* a: the low halves' sums of p0..p3, then their high halves' (b: p4..p7) */
+    *lo = _mm256_permute2x128_si256(a, b, 0x20);
+    *hi = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
+#define COL8(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
+ALWAYS void q8_direct(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+                      const uint8_t *next, const uint8_t *x, int64_t ldx, int R, float *y,
+                      int64_t ldy) {
+    const int kq = runs32(type) == 0, off = code_offset(type);
+    const int64_t runs = kq ? 8 * nb : nb * runs32(type);
+    const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    if (!kq) {
+        const __m256i rows = lane_offsets(rb);
+        for (int64_t r = 0; r < runs; r++) {
+            prefetch_part(next, r, runs, QG * rb);
+            float dd;
+#define DECODE(c)                                                                             \
+    __m256i q##c = zero;                                                                      \
+    if (c < nc)                                                                               \
+        q##c = off ? b32_codes_avx2(type, w + c * rb, r, &dd) : b32_decode_avx2(type, w + c * rb, r, &dd);
+            COL8(DECODE)
+#undef DECODE
+            __m256 d = b32_scales(type, w, rb, nc, r, rows);
+#define ROW_B32(i)                                                                            \
+    if (R > i) {                                                                              \
+        const uint8_t *xr = x + i * ldx + r * X32_BYTES;                                       \
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + X32_Q)), lo, hi;               \
+        COL8(DOT)                                                                             \
+        hsum8x8_halves(p0, p1, p2, p3, p4, p5, p6, p7, &lo, &hi);                              \
+        __m256i s = _mm256_add_epi32(lo, hi);                                                 \
+        if (off) {                                                                            \
+            int16_t bs[2];                                                                    \
+            memcpy(bs, xr + 4, 4);                                                            \
+            s = _mm256_sub_epi32(s, _mm256_set1_epi32(off * (bs[0] + bs[1])));               \
+        }                                                                                     \
+        __m256 dx = _mm256_broadcast_ss((const float *)xr);                                   \
+        a##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, dx), a##i);            \
+    }
+#define DOT(c)                                                                                \
+    __m256i p##c = off ? _mm256_maddubs_epi16(q##c, xv)                                       \
+                       : _mm256_maddubs_epi16(_mm256_sign_epi8(q##c, q##c), _mm256_sign_epi8(xv, q##c)); \
+    p##c = _mm256_madd_epi16(p##c, ones);
+            ROW_B32(0)
+            ROW_B32(1)
+#undef DOT
+#undef ROW_B32
+        }
+    } else {
+        _Alignas(32) kblock k[QG];
+        for (int c = nc; c < QG; c++) memset(&k[c], 0, sizeof k[c]); /* lanes past nc: zeros */
+        for (int64_t b = 0; b < nb; b++) {
+            __m256 d, dm;
+            _Alignas(32) __m256i scs[8], mns[8]; /* run j, lane c: (sc or mn)[2j] | [2j+1] << 16 */
+            prefetch_part(next, b, nb, QG * rb);
+            k_decode_group(type, w, rb, nc, b, k, &d, &dm, scs, mns);
+            for (int j = 0; j < 8; j++) {
+                __m256i sca = _mm256_srai_epi32(_mm256_slli_epi32(scs[j], 16), 16);
+                __m256i scb = _mm256_srai_epi32(scs[j], 16);
+                __m256i mn = mns[j];
+#define ROW_K(i)                                                                              \
+    if (R > i) {                                                                              \
+        const uint8_t *xr = x + i * ldx + (8 * b + j) * X32_BYTES;                             \
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + X32_Q)), lo, hi;               \
+        COL8(DOT)                                                                             \
+        hsum8x8_halves(p0, p1, p2, p3, p4, p5, p6, p7, &lo, &hi);                              \
+        __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(lo, sca), _mm256_mullo_epi32(hi, scb)); \
+        int32_t bp;                                                                           \
+        memcpy(&bp, xr + 4, 4);                                                               \
+        __m256i smin = _mm256_madd_epi16(mn, _mm256_set1_epi32(bp));                          \
+        __m256 dx = _mm256_broadcast_ss((const float *)xr);                                   \
+        a##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, dx), a##i);            \
+        a##i = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), _mm256_mul_ps(dm, dx), a##i);       \
+    }
+#define DOT(c) __m256i p##c = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(k[c].q + 32 * j)), xv), ones);
+                ROW_K(0)
+                ROW_K(1)
+#undef DOT
+#undef ROW_K
             }
         }
     }
-    EACH_ROW(i) out[i] = hsum8(acc[i]);
+    _Alignas(32) float out[2][QG];
+    _mm256_store_ps(out[0], a0);
+    _mm256_store_ps(out[1], a1);
+    for (int i = 0; i < R; i++) memcpy(y + i * ldy, out[i], sizeof(float) * (size_t)nc);
+}
+#undef COL8
+
+/* nc (<= QG) weight rows from w (row bytes rb, nb blocks each) against M rows of the quantized
+ * x (the 32-form, row stride ldx): y[m * ldy + c]. `next`: the group after this one (or NULL),
+ * fetched while the first rows of x run. */
+ALWAYS void q8_group(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+                     const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M, float *y,
+                     int64_t ldy) {
+    const int kq = runs32(type) == 0;
+    const int64_t runs = kq ? 8 * nb : nb * runs32(type);
+    if (M <= QD) {
+        if (M == 2) q8_direct(type, w, rb, nc, nb, next, x, ldx, 2, y, ldy);
+        else q8_direct(type, w, rb, nc, nb, next, x, ldx, 1, y, ldy);
+        return;
+    }
+    _Alignas(32) qrun P[QSLAB];
+    _Alignas(32) float acc[QM][QG];
+    for (int64_t m0 = 0; m0 < M; m0 += QM) {
+        int64_t mq = M - m0 < QM ? M - m0 : QM;
+        for (int64_t i = 0; i < mq; i++) _mm256_store_ps(acc[i], _mm256_setzero_ps());
+        for (int64_t r0 = 0; r0 < runs; r0 += QSLAB) {
+            int64_t r1 = r0 + QSLAB < runs ? r0 + QSLAB : runs;
+            const uint8_t *pf = m0 == 0 ? next : NULL;
+            if (kq) k_panel(type, w, rb, nc, r0 / 8, r1 / 8, nb, pf, P);
+            else b32_panel(type, w, rb, nc, r0, r1, runs, pf, P);
+            const uint8_t *xs = x + m0 * ldx + r0 * X32_BYTES;
+            for (int64_t i = 0; i < mq; i += QR) {
+                __m256 a[QR];
+                int R = (int)(mq - i < QR ? mq - i : QR);
+                for (int t = 0; t < R; t++) a[t] = _mm256_load_ps(acc[i + t]);
+                switch (R) { /* constant tile heights: the row loops unroll */
+                case 4: q8_rows(type, P, r1 - r0, xs + i * ldx, ldx, 4, a); break;
+                case 3: q8_rows(type, P, r1 - r0, xs + i * ldx, ldx, 3, a); break;
+                case 2: q8_rows(type, P, r1 - r0, xs + i * ldx, ldx, 2, a); break;
+                default: q8_rows(type, P, r1 - r0, xs + i * ldx, ldx, 1, a); break;
+                }
+                for (int t = 0; t < R; t++) _mm256_store_ps(acc[i + t], a[t]);
+            }
+        }
+        for (int64_t i = 0; i < mq; i++) {
+            float *yr = y + (m0 + i) * ldy;
+            if (nc == QG) _mm256_storeu_ps(yr, _mm256_load_ps(acc[i]));
+            else memcpy(yr, acc[i], sizeof(float) * (size_t)nc);
+        }
+    }
+}
+
+static void q8_group_avx2(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+                          const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M,
+                          float *y, int64_t ldy) {
+    switch (type) { /* one specialization per type */
+#define Q8G(t) case t: q8_group(t, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
+    Q8G(T_Q8_0) Q8G(T_Q4_0) Q8G(T_Q5_0) Q8G(T_IQ4_NL) Q8G(T_IQ4_XS) Q8G(T_Q4_K) Q8G(T_Q5_K)
+    default: q8_group(T_Q6_K, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
+#undef Q8G
+    }
 }
 
 static void quant_x_avx2(const float *x, int64_t K, uint8_t *dst) {
@@ -674,8 +1014,16 @@ static void quant_x_avx2(const float *x, int64_t K, uint8_t *dst) {
             v[k] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8 * k), idv));
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]),
                                        _mm256_packs_epi32(v[2], v[3]));
-        _mm256_storeu_si256((__m256i *)(dst + 4), _mm256_permutevar8x32_epi32(p, order));
+        p = _mm256_permutevar8x32_epi32(p, order);
+        _mm256_storeu_si256((__m256i *)(dst + X32_Q), p);
+        /* the sums of codes 0-15 and 16-31: int32 lanes 0-3 and 4-7 of madd(maddubs(1, q), 1) */
+        __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), p),
+                                      _mm256_set1_epi16(1));
+        t = _mm256_hadd_epi32(t, t);
+        t = _mm256_hadd_epi32(t, t);
+        int16_t bsum[2] = {(int16_t)_mm256_extract_epi32(t, 0), (int16_t)_mm256_extract_epi32(t, 4)};
         memcpy(dst, &d, 4);
+        memcpy(dst + 4, bsum, 4);
     }
 }
 #endif /* HAVE_AVX2 */
@@ -684,9 +1032,8 @@ static void quant_x_avx2(const float *x, int64_t K, uint8_t *dst) {
 /* ---- AVX-512 (F, BW, VL) + VNNI, on top of the AVX2 helpers ----
  * Zen 4 runs a 512-bit op as two 256-bit halves: the gain is in fewer instructions, not wider
  * FLOPs. f32: the 4- and 5-bit codes index a table of their block's 16 (32) float weights, one
- * permute per 16 codes where AVX2 widens, converts and scales; q8 of the runs of 32: VNNI's
- * dpbusd stands for AVX2's maddubs + madd, on the same exact integers, so q8 equals AVX2 bit for
- * bit (the K-quants' q8 is AVX2's kernel itself). */
+ * permute per 16 codes where AVX2 widens, converts and scales. q8 runs AVX2's kernels here (the
+ * same bits on every path). */
 
 static inline float hsum16(__m512 v) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
@@ -775,36 +1122,6 @@ ALWAYS void b32_f32_avx512(int type, const uint8_t *w, int64_t nb, const uint8_t
     for (int64_t b = 0; b < nb * runs32(type); b++) b32_f32_step512(type, w, x, ldx, b, mt, acc);
     EACH_ROW(i) out[i] = hsum16(_mm512_add_ps(acc[2 * i], acc[2 * i + 1]));
 }
-
-/* run g's 32 signed codes as b32_decode_avx2 gives them; Q5_0's fifth bits become a byte mask
- * (one masked subtract where AVX2 spreads the bits in four ops) */
-ALWAYS __m256i b32_decode_avx512(int type, const uint8_t *w, int64_t g, float *d) {
-    if (type != T_Q5_0) return b32_decode_avx2(type, w, g, d);
-    const uint8_t *b = w + g * block_bytes(type);
-    uint32_t qh;
-    memcpy(&qh, b + 2, 4);
-    *d = half_f16c(b);
-    __m256i nib = nibbles(b + 6); /* byte i: q[i]'s low nibble; q - 16 where bit 4 is clear */
-    return _mm256_mask_sub_epi8(nib, (__mmask32)~qh, nib, _mm256_set1_epi8(16));
-}
-
-/* b32_q8_step with one VNNI dpbusd for AVX2's maddubs + madd: the same exact int32 lanes (the
- * sign trick keeps maddubs from saturating there), then the same float operations */
-ALWAYS void b32_q8_step512(int type, const uint8_t *w, const uint8_t *x, int64_t ldx, int64_t b,
-                           int mt, __m256 *acc) {
-    float dw;
-    __m256i q = b32_decode_avx512(type, w, b, &dw);
-    __m256i aq = _mm256_sign_epi8(q, q); /* dpbusd too wants an unsigned side: |w| * (x as w) */
-    __m256 dwv = _mm256_set1_ps(dw);
-    EACH_ROW(i) {
-        const uint8_t *xb = x + i * ldx + b * X32_BYTES;
-        __m256i sx = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xb + 4)), q);
-        __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), aq, sx);
-        __m256 d = _mm256_mul_ps(dwv, _mm256_broadcast_ss((const float *)xb));
-        acc[i] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(s), acc[i]);
-    }
-}
-B32_BODY(b32_q8_avx512, b32_q8_step512)
 
 /* The 64 weights 64c..64c+63 of super-block b (sub-blocks 2c, 2c+1) as four groups of 16.
  * Q4_K/Q5_K: the 32 bytes qs[32c..] hold sub-block 2c's codes (low nibbles) and 2c+1's (high),
@@ -907,10 +1224,6 @@ ALWAYS void k_f32_avx512(int type, const uint8_t *w, int64_t nb, const uint8_t *
 
 #endif /* HAVE_AVX512 */
 
-static inline void prefetch(const uint8_t *p, int64_t bytes) {
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);
-}
-
 /* ---- one function per (type, act, ISA); constant tile heights let the row loops unroll ---- */
 #define TILE(name, body, type)                                                                \
     static void name(const uint8_t *w, int64_t nb, const uint8_t *x, int64_t ldx, int mt,      \
@@ -947,8 +1260,7 @@ TYPES(q8, scalar, SCALAR_TILE, b32_q8_row, k_q8_row)
 static const tile_fn SCALAR[2][N_TYPES] = {{TABLE(f32, scalar)}, {TABLE(q8, scalar)}};
 #ifdef HAVE_AVX2
 TYPES(f32, avx2, TILE, b32_f32_avx2, k_f32_avx2)
-TYPES(q8, avx2, TILE, b32_q8_avx2, k_q8_avx2)
-static const tile_fn AVX2[2][N_TYPES] = {{TABLE(f32, avx2)}, {TABLE(q8, avx2)}};
+static const tile_fn AVX2[N_TYPES] = {TABLE(f32, avx2)}; /* q8: q8_group_avx2 */
 
 /* float activations on AVX2, K sliced: kernel steps (runs of 32, or super-blocks) b0..b1-1 of a
  * weight row into the tile's accumulators */
@@ -1002,18 +1314,32 @@ static void chunk_sliced_avx2(part_fn fn, const uint8_t *w, int64_t rb, int64_t 
 #endif
 #ifdef HAVE_AVX512
 TYPES(f32, avx512, TILE, b32_f32_avx512, k_f32_avx512)
-TYPES(q8, avx512, TILE, b32_q8_avx512, k_q8_avx2) /* the K-quants' q8: AVX2's */
-static const tile_fn AVX512[2][N_TYPES] = {{TABLE(f32, avx512)}, {TABLE(q8, avx512)}};
+static const tile_fn AVX512[N_TYPES] = {TABLE(f32, avx512)}; /* q8: AVX2's q8_group_avx2 */
 #endif
 
+/* The per-row kernel of (isa, act, type); NULL where the ISA is not built, or where q8 runs
+ * q8_group_avx2 (q8_grouped()). */
 static tile_fn pick(int isa, int act, int type) {
+    if (isa == ISA_SCALAR) return SCALAR[act][type];
+    if (act != ACT_F32) return NULL;
 #ifdef HAVE_AVX512
-    if (isa == ISA_AVX512) return AVX512[act][type];
+    if (isa == ISA_AVX512) return AVX512[type];
 #endif
 #ifdef HAVE_AVX2
-    if (isa == ISA_AVX2) return AVX2[act][type];
+    if (isa == ISA_AVX2) return AVX2[type];
 #endif
-    return isa == ISA_SCALAR ? SCALAR[act][type] : NULL;
+    return NULL;
+}
+
+/* whether q8 on `isa` runs AVX2's q8_group_avx2 (AVX2, and AVX-512 where it is built) */
+static int q8_grouped(int isa) {
+#ifdef HAVE_AVX512
+    if (isa == ISA_AVX512) return 1;
+#endif
+#ifdef HAVE_AVX2
+    if (isa == ISA_AVX2) return 1;
+#endif
+    return 0;
 }
 
 /* a row of x as the 32-form (both ISAs write identical bytes: exact max, one rounding, RNE) */
@@ -1066,23 +1392,21 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
     seg_t sg[MAX_SEG];
     tile_fn fn[MAX_SEG] = {0};
     int64_t nch[MAX_SEG], total = 0;
-    int needk = 0;
     int rc = read_segs(segs, nseg, K, sg);
     if (rc) return rc;
     if (act != ACT_F32 && act != ACT_Q8) return ERR_SHAPE;
+    int grouped = act == ACT_Q8 && q8_grouped((int)isa);
     for (int s = 0; s < MAX_SEG; s++) {
         nch[s] = (sg[s].n + CHUNK - 1) / CHUNK;
         total += nch[s];
-        if (sg[s].n == 0) continue;
+        if (sg[s].n == 0 || grouped) continue;
         if (!(fn[s] = pick((int)isa, (int)act, sg[s].type))) return ERR_ISA;
-        needk |= runs32(sg[s].type) == 0;
     }
+    if (act == ACT_Q8 && !grouped && isa != ISA_SCALAR) return ERR_ISA;
     if (M <= 0 || total == 0) return 0;
-    /* quantized x: M rows of the 32-form, then M rows of the 256-form (those needed) */
-    /* (the 256-form is made from the 32-form's bytes, so that one is always there) */
-    int64_t r32 = K / 32 * X32_BYTES, rk = needk ? K / 256 * XK_BYTES : 0;
-    size_t need = act == ACT_Q8 ? (size_t)(M * (r32 + rk)) : 0;
-    _Alignas(64) uint8_t stack[65536]; /* on the caller's stack: M = 32 at K = 640 fits */
+    int64_t r32 = K / 32 * X32_BYTES; /* a row of quantized x */
+    size_t need = act == ACT_Q8 ? (size_t)(M * r32) : 0;
+    _Alignas(64) uint8_t stack[65536]; /* on the caller's stack: M = 32 at K = 1536 fits */
 #ifdef HAVE_AVX2
     /* float activations on AVX2: K-sliced tiles where a tile's x outgrows L1 */
     int sliced = act == ACT_F32 && isa == ISA_AVX2 && K * (M < MT ? M : MT) * 4 > SLICE_ABOVE;
@@ -1093,10 +1417,7 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
     {
         if (act == ACT_Q8) {
 #pragma omp for schedule(static)
-            for (int64_t m = 0; m < M; m++) {
-                quant_x((int)isa, x + m * ldx, K, xq + m * r32);
-                if (needk) x32_to_xk(xq + m * r32, K, xq + M * r32 + m * rk);
-            }
+            for (int64_t m = 0; m < M; m++) quant_x((int)isa, x + m * ldx, K, xq + m * r32);
         }
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < total; c++) {
@@ -1105,15 +1426,21 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             while (cc >= nch[s]) cc -= nch[s++];
             const seg_t *g = &sg[s];
             int64_t lo = cc * CHUNK, hi = lo + CHUNK < g->n ? lo + CHUNK : g->n;
-            int kq = runs32(g->type) == 0;
-            const uint8_t *xs = (const uint8_t *)x;
-            int64_t ldxs = ldx * (int64_t)sizeof(float);
-            if (act == ACT_Q8) {
-                xs = kq ? xq + M * r32 : xq;
-                ldxs = kq ? rk : r32;
+#ifdef HAVE_AVX2
+            if (grouped) {
+                for (int64_t n = lo; n < hi; n += QG) {
+                    const uint8_t *next = n + QG < g->n ? g->w + (n + QG) * g->rb : NULL;
+                    q8_group_avx2(g->type, g->w + n * g->rb, g->rb, (int)(hi - n < QG ? hi - n : QG),
+                                  g->nb, next, xq, r32, M, y + g->col0 + n, ldy);
+                }
+                continue;
             }
+#endif
+            const uint8_t *xs = act == ACT_Q8 ? xq : (const uint8_t *)x;
+            int64_t ldxs = act == ACT_Q8 ? r32 : ldx * (int64_t)sizeof(float);
 #ifdef HAVE_AVX2
             if (sliced) { /* kernel steps: super-blocks, or runs of 32 */
+                int kq = runs32(g->type) == 0;
                 chunk_sliced_avx2(AVX2_PART[g->type], g->w, g->rb, kq ? g->nb : g->nb * runs32(g->type),
                                   kq ? 256 : 32, g->n, xs, ldxs, M, lo, hi, y + g->col0, ldy);
                 continue;

@@ -24,10 +24,9 @@ _BLOCKS: dict[int, tuple[str, int, int]] = {
     20: ("IQ4_NL", 32, 18),
     23: ("IQ4_XS", 256, 136),
 }
-# Values per scale of the "q8" activations' int8 rows: 32 for every type. The K-quants read them
-# regrouped per 256 (the eight scales, the sums of every 16 codes, the codes). ggml's Q8_K has one
-# scale per 256 there: +0.32% perplexity on the bundled model's gate against +0.12% with one per
-# 32 (docs/quantization.md).
+# Values per scale of the "q8" activations' int8 rows: 32 for every type, the K-quants included
+# (ggml's Q8_K has one scale per 256 there: +0.32% perplexity on the bundled model's gate against
+# +0.12% with one per 32, docs/quantization.md).
 Q8_GROUP: dict[int, int] = dict.fromkeys(_BLOCKS, 32)
 SUPPORTED_TYPES: frozenset[int] = frozenset(_BLOCKS)
 MAX_SEGMENTS = 4

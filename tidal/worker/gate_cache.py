@@ -19,8 +19,9 @@ log = logging.getLogger("tidal.worker.gate")
 
 # Bump when the gate's arithmetic or held-out scoring changes, so old verdicts stop matching.
 # 2: GGUF-block schemes are measured against the same blocks in float mode; 3: gguf-q8's K-quants
-# read activations with a scale per 32 values (was per 256), so its old verdicts are stale.
-GATE_VERSION = 3
+# read activations with a scale per 32 values (was per 256), so its old verdicts are stale; 4:
+# gguf-q8 scales each run's exact integer dot product in one FMA (was per lane, then a sum).
+GATE_VERSION = 4
 
 
 @dataclass(frozen=True, slots=True)
