@@ -212,7 +212,7 @@ def test_bad_activation_mode_is_refused(tiny_gguf: Path) -> None:
 
 
 def test_auto_scheme_and_refusals(tiny_gguf: Path, tmp_path: Path) -> None:
-    assert resolve_scheme("auto", True, "cpu") == "gguf"
+    assert resolve_scheme("auto", True, "cpu") == "gguf-q8"
     assert resolve_scheme("auto", False, "cpu") == "none"
     assert resolve_scheme("auto", True, "cuda") == "none"
     assert resolve_scheme("int8", True, "cpu") == "int8"

@@ -41,15 +41,20 @@ class Target:
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
-        Target("tidal", "tidal", (), "tidal serve defaults (a GGUF's own blocks on CPU)"),
+        Target(
+            "tidal",
+            "tidal",
+            (),
+            "tidal serve defaults (a GGUF's own blocks, int8 activations, on CPU)",
+        ),
+        Target(
+            "tidal-gguf",
+            "tidal",
+            ("--quantization", "gguf"),
+            "tidal serve --quantization gguf (the file's blocks, float32 activations)",
+        ),  # fmt: skip
         # The gate's verdict is cached beside the model after the first start; a benchmark
         # measures speed, so it does not wait for the gate either way.
-        Target(
-            "tidal-gguf-q8",
-            "tidal",
-            ("--quantization", "gguf-q8", "--no-quantization-gate"),
-            "tidal serve --quantization gguf-q8 (the file's blocks, int8 activations)",
-        ),  # fmt: skip
         Target(
             "tidal-int8",
             "tidal",

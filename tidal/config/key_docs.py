@@ -47,8 +47,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "gemma-3-270m",
     ),
     "model.quantization": KeyDoc(
-        "weight format: auto (a GGUF's own blocks on CPU, else float), gguf, gguf-q8 (int8 "
-        "activations, gated), none, int8, int4, fp8; check one with tidal quantize-check",
+        "weight format: auto (a GGUF's own blocks with int8 activations on CPU, else float), "
+        "gguf-q8, gguf (float activations), none, int8, int4, fp8; check one with tidal "
+        "quantize-check",
         "--quantization",
     ),
     "model.weight_cache": KeyDoc(

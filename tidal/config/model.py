@@ -23,9 +23,10 @@ class ModelConfig:
     max_model_len: int | None = None
     # The name /v1/models lists and requests must use; None derives it from `path`.
     served_model_name: str | None = None
-    # Weight format (tidal.quant.registry): "auto" runs a GGUF file's own blocks on CPU
-    # ("gguf") and float weights otherwise ("none"); "gguf-q8" quantizes activations too (gated);
-    # "int8", "int4", "fp8" re-quantize float weights.
+    # Weight format (tidal.quant.registry): "auto" runs a GGUF file's own blocks with int8
+    # activations on CPU ("gguf-q8") and float weights otherwise ("none"); "gguf" keeps float32
+    # activations (the file's model up to summation order); "int8", "int4", "fp8" re-quantize
+    # float weights (gated).
     quantization: str = "auto"
     # Save a GGUF's dequantized weights beside it (~4 bytes per parameter in float32: ~1.1 GB for
     # the bundled 270M model) so a restarted engine memory-maps them instead of dequantizing.
