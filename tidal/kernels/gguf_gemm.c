@@ -761,8 +761,15 @@ ALWAYS void k_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t b0, 
     }
 }
 
+/* four bytes as an int32 (memcpy: the buffer's bytes were written as other types) */
+ALWAYS int32_t load_i32(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
 /* four codes of x (bytes 4g..4g+3 of a run's codes at xq) in every dword */
-#define XB(xq, g) _mm256_set1_epi32(*(const int32_t *)((xq) + 4 * (g)))
+#define XB(xq, g) _mm256_set1_epi32(load_i32((xq) + 4 * (g)))
 
 /* R (<= QR) rows of x (from x, run 0 of the slab) against the slab's nr runs, into a0..a3.
  * Unsigned codes (Q4_0, Q5_0, K-quants): the int16 products of `sum16` vectors are added before
@@ -777,23 +784,23 @@ ALWAYS void q8_rows(int type, const qrun *P, int64_t nr, const uint8_t *x, int64
     const int kq = runs32(type) == 0, off = code_offset(type);
     const int sum16 = kq ? (type == T_Q6_K ? 2 : 4) : type == T_Q4_0 ? 8 : 4;
     const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
+    const __m256i offs = _mm256_set1_epi16((short)off);
 #define LOAD_A(i) __m256 a##i = R > i ? acc[i] : _mm256_setzero_ps();
     ROW4(LOAD_A)
     for (int64_t r = 0; r < nr; r++, x += X32_BYTES) {
         const qrun *p = P + r;
         __m256i s0 = zero, s1 = zero, s2 = zero, s3 = zero;
-        if (kq || off) {
+        if (kq || off) { /* one row's int16 sum at a time: few values live, no spills */
             for (int g0 = 0; g0 < 8; g0 += sum16) {
-                __m256i m = kq ? p->sc[g0 / 4] : ones, u = p->u[g0];
-#define H_FIRST(i) __m256i h##i = R > i ? _mm256_maddubs_epi16(u, XQ(i, g0)) : zero;
-                ROW4(H_FIRST)
-                for (int g = g0 + 1; g < g0 + sum16; g++) {
-                    u = p->u[g];
-#define H_ADD(i) if (R > i) h##i = _mm256_add_epi16(h##i, _mm256_maddubs_epi16(u, XQ(i, g)));
-                    ROW4(H_ADD)
-                }
-#define S_ADD(i) if (R > i) s##i = _mm256_add_epi32(s##i, _mm256_madd_epi16(h##i, m));
-                ROW4(S_ADD)
+                __m256i m = kq ? p->sc[g0 / 4] : ones;
+#define S_UNSIGNED(i)                                                                         \
+    if (R > i) {                                                                              \
+        __m256i h = _mm256_maddubs_epi16(p->u[g0], XQ(i, g0));                                \
+        for (int g = g0 + 1; g < g0 + sum16; g++)                                             \
+            h = _mm256_add_epi16(h, _mm256_maddubs_epi16(p->u[g], XQ(i, g)));                 \
+        s##i = _mm256_add_epi32(s##i, _mm256_madd_epi16(h, m));                               \
+    }
+                ROW4(S_UNSIGNED)
             }
         } else {
             for (int g = 0; g < 8; g++) {
@@ -805,18 +812,16 @@ ALWAYS void q8_rows(int type, const qrun *P, int64_t nr, const uint8_t *x, int64
                 ROW4(S_SIGNED)
             }
         }
+        /* x's two 16-code sums in both int16 halves of every lane: off * (both), and the mins */
 #define EPILOGUE(i)                                                                           \
     if (R > i) {                                                                              \
         const uint8_t *xr = x + i * ldx;                                                      \
         __m256 dx = _mm256_broadcast_ss((const float *)xr);                                   \
-        int16_t bs[2];                                                                        \
-        memcpy(bs, xr + 4, 4);                                                                \
-        if (off) s##i = _mm256_sub_epi32(s##i, _mm256_set1_epi32(off * (bs[0] + bs[1])));     \
+        __m256i bsum = _mm256_set1_epi32(load_i32(xr + 4));                                   \
+        if (off) s##i = _mm256_sub_epi32(s##i, _mm256_madd_epi16(bsum, offs));                \
         a##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s##i), _mm256_mul_ps(p->d, dx), a##i);       \
         if (kq) {                                                                             \
-            int32_t bp;                                                                       \
-            memcpy(&bp, xr + 4, 4);                                                           \
-            __m256i smin = _mm256_madd_epi16(p->mn, _mm256_set1_epi32(bp));                   \
+            __m256i smin = _mm256_madd_epi16(p->mn, bsum);                                    \
             a##i = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), _mm256_mul_ps(p->dm, dx), a##i); \
         }                                                                                     \
     }
@@ -825,9 +830,7 @@ ALWAYS void q8_rows(int type, const qrun *P, int64_t nr, const uint8_t *x, int64
 #define STORE_A(i) if (R > i) acc[i] = a##i;
     ROW4(STORE_A)
 #undef LOAD_A
-#undef H_FIRST
-#undef H_ADD
-#undef S_ADD
+#undef S_UNSIGNED
 #undef S_SIGNED
 #undef EPILOGUE
 #undef STORE_A
