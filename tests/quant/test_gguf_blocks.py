@@ -211,6 +211,21 @@ def test_bad_activation_mode_is_refused(tiny_gguf: Path) -> None:
         GGUFLinear([_linear(tiny_gguf, "blk.0.attn_q.weight")], None, torch.float32, act="int4")
 
 
+def test_gguf_q8_needs_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without tidal's C kernels auto falls back to float activations (torch runs them) and an
+    explicit gguf-q8 is refused, not served in float."""
+    from tidal.engine.builder import native_scheme
+
+    assert native_scheme("none", "auto") == "none"
+    if gg.available():
+        assert native_scheme("gguf-q8", "gguf-q8") == "gguf-q8"
+    monkeypatch.setattr(gg, "available", lambda: False)
+    assert native_scheme("gguf-q8", "auto") == "gguf"
+    assert native_scheme("gguf", "gguf") == "gguf"
+    with pytest.raises(ValueError, match="quantization='gguf-q8' is invalid here"):
+        native_scheme("gguf-q8", "gguf-q8")
+
+
 def test_auto_scheme_and_refusals(tiny_gguf: Path, tmp_path: Path) -> None:
     assert resolve_scheme("auto", True, "cpu") == "gguf-q8"
     assert resolve_scheme("auto", False, "cpu") == "none"
