@@ -771,6 +771,23 @@ ALWAYS int32_t load_i32(const uint8_t *p) {
 /* four codes of x (bytes 4g..4g+3 of a run's codes at xq) in every dword */
 #define XB(xq, g) _mm256_set1_epi32(load_i32((xq) + 4 * (g)))
 
+/* one row of x's run into its QG accumulators: (float)s * (d_w * d_x), and for the K-quants
+ * minus (float)(m * x's code sums) * (dmin * d_x); Q4_0/Q5_0's offset comes off s first. x's two
+ * 16-code sums sit in both int16 halves of every lane of `bsum`. */
+ALWAYS __m256 q8_scale_run(int type, __m256i s, const uint8_t *xr, __m256 d, __m256 dm,
+                           __m256i mn, __m256 a) {
+    const int off = code_offset(type);
+    __m256 dx = _mm256_broadcast_ss((const float *)xr);
+    __m256i bsum = _mm256_set1_epi32(load_i32(xr + 4));
+    if (off) s = _mm256_sub_epi32(s, _mm256_madd_epi16(bsum, _mm256_set1_epi16((short)off)));
+    a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, dx), a);
+    if (runs32(type) == 0) {
+        __m256i smin = _mm256_madd_epi16(mn, bsum);
+        a = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), _mm256_mul_ps(dm, dx), a);
+    }
+    return a;
+}
+
 /* R (<= QR) rows of x (from x, run 0 of the slab) against the slab's nr runs, into a0..a3.
  * Unsigned codes (Q4_0, Q5_0, K-quants): the int16 products of `sum16` vectors are added before
  * one madd (at most sum16 * 2 * code max * 127 < 2^15: 8 for 4-bit codes, 4 for 5-bit, 2 for
@@ -784,7 +801,6 @@ ALWAYS void q8_rows(int type, const qrun *P, int64_t nr, const uint8_t *x, int64
     const int kq = runs32(type) == 0, off = code_offset(type);
     const int sum16 = kq ? (type == T_Q6_K ? 2 : 4) : type == T_Q4_0 ? 8 : 4;
     const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
-    const __m256i offs = _mm256_set1_epi16((short)off);
 #define LOAD_A(i) __m256 a##i = R > i ? acc[i] : _mm256_setzero_ps();
     ROW4(LOAD_A)
     for (int64_t r = 0; r < nr; r++, x += X32_BYTES) {
@@ -812,19 +828,7 @@ ALWAYS void q8_rows(int type, const qrun *P, int64_t nr, const uint8_t *x, int64
                 ROW4(S_SIGNED)
             }
         }
-        /* x's two 16-code sums in both int16 halves of every lane: off * (both), and the mins */
-#define EPILOGUE(i)                                                                           \
-    if (R > i) {                                                                              \
-        const uint8_t *xr = x + i * ldx;                                                      \
-        __m256 dx = _mm256_broadcast_ss((const float *)xr);                                   \
-        __m256i bsum = _mm256_set1_epi32(load_i32(xr + 4));                                   \
-        if (off) s##i = _mm256_sub_epi32(s##i, _mm256_madd_epi16(bsum, offs));                \
-        a##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s##i), _mm256_mul_ps(p->d, dx), a##i);       \
-        if (kq) {                                                                             \
-            __m256i smin = _mm256_madd_epi16(p->mn, bsum);                                    \
-            a##i = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), _mm256_mul_ps(p->dm, dx), a##i); \
-        }                                                                                     \
-    }
+#define EPILOGUE(i) if (R > i) a##i = q8_scale_run(type, s##i, x + i * ldx, p->d, p->dm, p->mn, a##i);
         ROW4(EPILOGUE)
     }
 #define STORE_A(i) if (R > i) acc[i] = a##i;
@@ -885,14 +889,7 @@ ALWAYS void q8_direct(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + X32_Q)), lo, hi;               \
         COL8(DOT)                                                                             \
         hsum8x8_halves(p0, p1, p2, p3, p4, p5, p6, p7, &lo, &hi);                              \
-        __m256i s = _mm256_add_epi32(lo, hi);                                                 \
-        if (off) {                                                                            \
-            int16_t bs[2];                                                                    \
-            memcpy(bs, xr + 4, 4);                                                            \
-            s = _mm256_sub_epi32(s, _mm256_set1_epi32(off * (bs[0] + bs[1])));               \
-        }                                                                                     \
-        __m256 dx = _mm256_broadcast_ss((const float *)xr);                                   \
-        a##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, dx), a##i);            \
+        a##i = q8_scale_run(type, _mm256_add_epi32(lo, hi), xr, d, d, zero, a##i);            \
     }
 #define DOT(c)                                                                                \
     __m256i p##c = off ? _mm256_maddubs_epi16(q##c, xv)                                       \
@@ -922,12 +919,7 @@ ALWAYS void q8_direct(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb
         COL8(DOT)                                                                             \
         hsum8x8_halves(p0, p1, p2, p3, p4, p5, p6, p7, &lo, &hi);                              \
         __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(lo, sca), _mm256_mullo_epi32(hi, scb)); \
-        int32_t bp;                                                                           \
-        memcpy(&bp, xr + 4, 4);                                                               \
-        __m256i smin = _mm256_madd_epi16(mn, _mm256_set1_epi32(bp));                          \
-        __m256 dx = _mm256_broadcast_ss((const float *)xr);                                   \
-        a##i = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, dx), a##i);            \
-        a##i = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), _mm256_mul_ps(dm, dx), a##i);       \
+        a##i = q8_scale_run(type, s, xr, d, dm, mn, a##i);                                    \
     }
 #define DOT(c) __m256i p##c = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(k[c].q + 32 * j)), xv), ones);
                 ROW_K(0)
