@@ -259,8 +259,9 @@ def test_isas_and_the_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif("avx512" not in ISAS, reason="no AVX-512 VNNI path here")
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_avx512_against_avx2(t: Q) -> None:
-    """q8: AVX-512 runs AVX2's q8 kernels: equal bits. f32: another summation order (and table-decoded weights),
-    within the f32 tolerance of each other."""
+    """q8: AVX-512 runs AVX2's q8 kernels with VNNI's int32 dot products (the signed types'
+    codes offset by 128): the same integers, so equal bits. f32: another summation order (and
+    table-decoded weights), within the f32 tolerance of each other."""
     k = _k_of(t, 9, 3)
     w = weight(t, 35, k, random_bytes=True)
     torch.manual_seed(6)

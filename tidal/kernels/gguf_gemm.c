@@ -36,9 +36,10 @@
  *   in run order. Those steps are the same on every path (scalar fmaf, AVX2 FMA), so every ISA,
  *   every M and every thread count give the same bits. ggml's Q8_K has one scale per 256 for the
  *   K-quants: on the bundled model that read +0.32% perplexity against +0.12% (top-1 agreement
- *   95.3% against 97.3%; docs/quantization.md). On AVX2 (and AVX-512, which runs AVX2's q8) the
- *   integer sums run on maddubs/madd, eight outputs at a time, one per lane (q8_group_avx2): no
- *   int16 saturation (the sign trick for the signed types, unsigned codes below 64 otherwise).
+ *   95.3% against 97.3%; docs/quantization.md). On AVX2 the integer sums run on maddubs/madd,
+ *   eight outputs at a time, one per lane (q8_group_avx2): no int16 saturation (the sign trick
+ *   for the signed types, unsigned codes below 64 otherwise). AVX-512 runs the same kernels with
+ *   VNNI's vpdpbusd in place of maddubs/madd (int32 sums, one instruction per four codes).
  * Batch invariance (the contract): every y[m, n] is computed by the same sequence of float
  * operations whatever M is, wherever row m falls in a tile of MT rows, and whatever the thread
  * count: a tile runs each of its rows through identical per-row code, a row's quantization
@@ -53,8 +54,9 @@
  * where the build has AVX-512 F/BW/VL + VNNI besides AVX2's set), ISA_AVX2 (AVX2+FMA+F16C) or
  * ISA_SCALAR (plain C; f32 sums in another order, q8 gives the same bits). Each is a table in
  * pick(); an entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up
- * in a table of their block's float weights (one permute per 16 codes, see b32_weights512); the
- * activations' quantization, q8 and the dequantization are AVX2's on it. */
+ * in a table of their block's float weights (one permute per 16 codes, see b32_weights512); q8 is
+ * AVX2's kernels with vpdpbusd (dpbusd()); the activations' quantization and the dequantization
+ * are AVX2's. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -614,9 +616,10 @@ ALWAYS void k_f32_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x,
 #define QR 4     /* rows of x per pass over a slab */
 
 typedef struct {
-    __m256i u[8], s[8]; /* the codes (|q| for the signed types), and q for its signs */
-    __m256i sc[2], mn;  /* K-quants: each lane's scales of codes 0-15 and 16-31 (both int16
-                           halves), and its two mins (low, high int16) */
+    __m256i u[8], s[8]; /* the codes (|q| for the signed types, q ^ 0x80 on VNNI), and q for
+                           its signs (AVX2) */
+    __m256i sc[2], mn;  /* K-quants: each lane's scales of codes 0-15 and 16-31 (in both int16
+                           halves; int32 on VNNI), and its two mins (low, high int16) */
     __m256 d, dm;       /* each lane's d_w (runs of 32), or d and dmin (K-quants) */
 } qrun;
 
@@ -651,6 +654,27 @@ ALWAYS __m256i b32_codes_avx2(int type, const uint8_t *w, int64_t g, float *d) {
 
 /* the offset of Q4_0/Q5_0's unsigned codes; 0: a signed type (Q8_0, IQ4), or a K-quant */
 ALWAYS int code_offset(int type) { return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0; }
+
+/* q8 with VNNI (vnni != 0, AVX-512 builds only): vpdpbusd adds each lane's four u8 x s8
+ * products to an int32 in one instruction, exact, where AVX2 spends maddubs + madd (+ sign).
+ * Its unsigned operand is the weight: the signed types (Q8_0, IQ4) store q + 128 (q ^ 0x80) and
+ * take 128 * (sum of x's codes) off, as Q4_0/Q5_0 take their offset; the integers, so the bits,
+ * are AVX2's. */
+#ifdef HAVE_AVX512
+#define VNNI_BUILT 1
+ALWAYS __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#else
+#define VNNI_BUILT 0
+ALWAYS __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
+    (void)u, (void)s;
+    __builtin_unreachable();
+    return acc;
+}
+#endif
+/* the offset q8_scale_run takes off: the codes' offset, and on VNNI the signed types' 128 */
+ALWAYS int q8_offset(int type, int vnni) {
+    return vnni && !code_offset(type) && runs32(type) ? 128 : code_offset(type);
+}
 
 /* the dwords at base + idx[c] for the lanes c < nc, zeros past nc. Gathered: a vector built from
  * eight scalar stores would wait for store forwarding to fail, once per run. */
@@ -712,8 +736,8 @@ ALWAYS __m256 b32_scales(int type, const uint8_t *w, int64_t rb, int nc, int64_t
 }
 
 /* runs r0..r1-1 of a group of the runs of 32 into P */
-ALWAYS void b32_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t r0, int64_t r1,
-                      int64_t runs, const uint8_t *pf, qrun *P) {
+ALWAYS void b32_panel(int type, int vnni, const uint8_t *w, int64_t rb, int nc, int64_t r0,
+                      int64_t r1, int64_t runs, const uint8_t *pf, qrun *P) {
     const int off = code_offset(type);
     const __m256i rows = lane_offsets(rb);
     for (int64_t r = r0; r < r1; r++) {
@@ -725,16 +749,18 @@ ALWAYS void b32_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t r0
             q[c] = c >= nc ? _mm256_setzero_si256()
                    : off   ? b32_codes_avx2(type, w + c * rb, r, &d)
                            : b32_decode_avx2(type, w + c * rb, r, &d);
-        transpose8(q, off ? p->u : p->s);
-        if (!off)
+        transpose8(q, off || vnni ? p->u : p->s);
+        if (!off && vnni)
+            for (int g = 0; g < 8; g++) p->u[g] = _mm256_xor_si256(p->u[g], _mm256_set1_epi8(-128));
+        else if (!off)
             for (int g = 0; g < 8; g++) p->u[g] = _mm256_sign_epi8(p->s[g], p->s[g]);
         p->d = b32_scales(type, w, rb, nc, r, rows);
     }
 }
 
 /* super-blocks b0..b1-1 of a K-quant group into P (eight runs each) */
-ALWAYS void k_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t b0, int64_t b1,
-                    int64_t nb, const uint8_t *pf, qrun *P) {
+ALWAYS void k_panel(int type, int vnni, const uint8_t *w, int64_t rb, int nc, int64_t b0,
+                    int64_t b1, int64_t nb, const uint8_t *pf, qrun *P) {
     _Alignas(32) kblock k[QG];
     const __m256i lo2 = _mm256_setr_epi8(0, 1, 0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13, 0, 1,
                                          0, 1, 4, 5, 4, 5, 8, 9, 8, 9, 12, 13, 12, 13);
@@ -752,8 +778,13 @@ ALWAYS void k_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t b0, 
                 q[c] = c < nc ? _mm256_load_si256((const __m256i *)(k[c].q + 32 * j))
                               : _mm256_setzero_si256();
             transpose8(q, p->u);
-            p->sc[0] = _mm256_shuffle_epi8(scs[j], lo2); /* both halves: sc[2j] */
-            p->sc[1] = _mm256_shuffle_epi8(scs[j], hi2);
+            if (vnni) { /* int32 scales: sc[2j], sc[2j+1] */
+                p->sc[0] = _mm256_srai_epi32(_mm256_slli_epi32(scs[j], 16), 16);
+                p->sc[1] = _mm256_srai_epi32(scs[j], 16);
+            } else {
+                p->sc[0] = _mm256_shuffle_epi8(scs[j], lo2); /* both halves: sc[2j] */
+                p->sc[1] = _mm256_shuffle_epi8(scs[j], hi2);
+            }
             p->mn = mns[j];
             p->d = d;
             p->dm = dm;
@@ -772,11 +803,10 @@ ALWAYS int32_t load_i32(const uint8_t *p) {
 #define XB(xq, g) _mm256_set1_epi32(load_i32((xq) + 4 * (g)))
 
 /* one row of x's run into its QG accumulators: (float)s * (d_w * d_x), and for the K-quants
- * minus (float)(m * x's code sums) * (dmin * d_x); Q4_0/Q5_0's offset comes off s first. x's two
+ * minus (float)(m * x's code sums) * (dmin * d_x); the codes' offset (q8_offset) comes off s first. x's two
  * 16-code sums sit in both int16 halves of every lane of `bsum`. */
-ALWAYS __m256 q8_scale_run(int type, __m256i s, const uint8_t *xr, __m256 d, __m256 dm,
+ALWAYS __m256 q8_scale_run(int type, int off, __m256i s, const uint8_t *xr, __m256 d, __m256 dm,
                            __m256i mn, __m256 a) {
-    const int off = code_offset(type);
     __m256 dx = _mm256_broadcast_ss((const float *)xr);
     __m256i bsum = _mm256_set1_epi32(load_i32(xr + 4));
     if (off) s = _mm256_sub_epi32(s, _mm256_madd_epi16(bsum, _mm256_set1_epi16((short)off)));
@@ -796,9 +826,9 @@ ALWAYS __m256 q8_scale_run(int type, __m256i s, const uint8_t *xr, __m256 d, __m
  * arrays of vectors in memory here. */
 #define ROW4(OP) OP(0) OP(1) OP(2) OP(3)
 #define XQ(i, g) XB(x + (i) * ldx + X32_Q, g)
-ALWAYS void q8_rows(int type, const qrun *P, int64_t nr, const uint8_t *x, int64_t ldx, int R,
-                    __m256 *acc) {
-    const int kq = runs32(type) == 0, off = code_offset(type);
+ALWAYS void q8_rows(int type, int vnni, const qrun *P, int64_t nr, const uint8_t *x, int64_t ldx,
+                    int R, __m256 *acc) {
+    const int kq = runs32(type) == 0, off = q8_offset(type, vnni);
     const int sum16 = kq ? (type == T_Q6_K ? 2 : 4) : type == T_Q4_0 ? 8 : 4;
     const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
 #define LOAD_A(i) __m256 a##i = R > i ? acc[i] : _mm256_setzero_ps();
@@ -806,7 +836,24 @@ ALWAYS void q8_rows(int type, const qrun *P, int64_t nr, const uint8_t *x, int64
     for (int64_t r = 0; r < nr; r++, x += X32_BYTES) {
         const qrun *p = P + r;
         __m256i s0 = zero, s1 = zero, s2 = zero, s3 = zero;
-        if (kq || off) { /* one row's int16 sum at a time: few values live, no spills */
+        if (vnni) { /* two chains a row: codes 0-15 (a K-quant's first scale) and 16-31 */
+            __m256i t0 = zero, t1 = zero, t2 = zero, t3 = zero;
+            for (int g = 0; g < 4; g++) {
+                __m256i u = p->u[g], v = p->u[g + 4];
+#define S_VNNI(i)                                                                             \
+    if (R > i) {                                                                              \
+        s##i = dpbusd(s##i, u, XQ(i, g));                                                     \
+        t##i = dpbusd(t##i, v, XQ(i, g + 4));                                                 \
+    }
+                ROW4(S_VNNI)
+            }
+#define S_JOIN(i)                                                                             \
+    if (R > i)                                                                                \
+        s##i = kq ? _mm256_add_epi32(_mm256_mullo_epi32(s##i, p->sc[0]),                      \
+                                     _mm256_mullo_epi32(t##i, p->sc[1]))                       \
+                  : _mm256_add_epi32(s##i, t##i);
+            ROW4(S_JOIN)
+        } else if (kq || off) { /* one row's int16 sum at a time: few values live, no spills */
             for (int g0 = 0; g0 < 8; g0 += sum16) {
                 __m256i m = kq ? p->sc[g0 / 4] : ones;
 #define S_UNSIGNED(i)                                                                         \
@@ -828,7 +875,7 @@ ALWAYS void q8_rows(int type, const qrun *P, int64_t nr, const uint8_t *x, int64
                 ROW4(S_SIGNED)
             }
         }
-#define EPILOGUE(i) if (R > i) a##i = q8_scale_run(type, s##i, x + i * ldx, p->d, p->dm, p->mn, a##i);
+#define EPILOGUE(i) if (R > i) a##i = q8_scale_run(type, off, s##i, x + i * ldx, p->d, p->dm, p->mn, a##i);
         ROW4(EPILOGUE)
     }
 #define STORE_A(i) if (R > i) acc[i] = a##i;
@@ -836,6 +883,8 @@ ALWAYS void q8_rows(int type, const qrun *P, int64_t nr, const uint8_t *x, int64
 #undef LOAD_A
 #undef S_UNSIGNED
 #undef S_SIGNED
+#undef S_VNNI
+#undef S_JOIN
 #undef EPILOGUE
 #undef STORE_A
 }
@@ -864,10 +913,10 @@ ALWAYS void hsum8x8_halves(__m256i p0, __m256i p1, __m256i p2, __m256i p3, __m25
 }
 
 #define COL8(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
-ALWAYS void q8_direct(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+ALWAYS void q8_direct(int type, int vnni, const uint8_t *w, int64_t rb, int nc, int64_t nb,
                       const uint8_t *next, const uint8_t *x, int64_t ldx, int R, float *y,
                       int64_t ldy) {
-    const int kq = runs32(type) == 0, off = code_offset(type);
+    const int kq = runs32(type) == 0, off = q8_offset(type, vnni);
     const int64_t runs = kq ? 8 * nb : nb * runs32(type);
     const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
     __m256 a0 = _mm256_setzero_ps(), a1 = a0;
@@ -879,7 +928,9 @@ ALWAYS void q8_direct(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb
 #define DECODE(c)                                                                             \
     __m256i q##c = zero;                                                                      \
     if (c < nc)                                                                               \
-        q##c = off ? b32_codes_avx2(type, w + c * rb, r, &dd) : b32_decode_avx2(type, w + c * rb, r, &dd);
+        q##c = code_offset(type) ? b32_codes_avx2(type, w + c * rb, r, &dd)                   \
+             : vnni ? _mm256_xor_si256(b32_decode_avx2(type, w + c * rb, r, &dd), _mm256_set1_epi8(-128)) \
+                    : b32_decode_avx2(type, w + c * rb, r, &dd);
             COL8(DECODE)
 #undef DECODE
             __m256 d = b32_scales(type, w, rb, nc, r, rows);
@@ -889,12 +940,16 @@ ALWAYS void q8_direct(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb
         __m256i xv = _mm256_loadu_si256((const __m256i *)(xr + X32_Q)), lo, hi;               \
         COL8(DOT)                                                                             \
         hsum8x8_halves(p0, p1, p2, p3, p4, p5, p6, p7, &lo, &hi);                              \
-        a##i = q8_scale_run(type, _mm256_add_epi32(lo, hi), xr, d, d, zero, a##i);            \
+        a##i = q8_scale_run(type, off, _mm256_add_epi32(lo, hi), xr, d, d, zero, a##i);       \
     }
 #define DOT(c)                                                                                \
-    __m256i p##c = off ? _mm256_maddubs_epi16(q##c, xv)                                       \
-                       : _mm256_maddubs_epi16(_mm256_sign_epi8(q##c, q##c), _mm256_sign_epi8(xv, q##c)); \
-    p##c = _mm256_madd_epi16(p##c, ones);
+    __m256i p##c;                                                                             \
+    if (vnni) p##c = dpbusd(zero, q##c, xv);                                                  \
+    else {                                                                                    \
+        p##c = off ? _mm256_maddubs_epi16(q##c, xv)                                           \
+                   : _mm256_maddubs_epi16(_mm256_sign_epi8(q##c, q##c), _mm256_sign_epi8(xv, q##c)); \
+        p##c = _mm256_madd_epi16(p##c, ones);                                                 \
+    }
             ROW_B32(0)
             ROW_B32(1)
 #undef DOT
@@ -919,9 +974,11 @@ ALWAYS void q8_direct(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb
         COL8(DOT)                                                                             \
         hsum8x8_halves(p0, p1, p2, p3, p4, p5, p6, p7, &lo, &hi);                              \
         __m256i s = _mm256_add_epi32(_mm256_mullo_epi32(lo, sca), _mm256_mullo_epi32(hi, scb)); \
-        a##i = q8_scale_run(type, s, xr, d, dm, mn, a##i);                                    \
+        a##i = q8_scale_run(type, off, s, xr, d, dm, mn, a##i);                               \
     }
-#define DOT(c) __m256i p##c = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(k[c].q + 32 * j)), xv), ones);
+#define DOT(c)                                                                                \
+    __m256i kc##c = _mm256_load_si256((const __m256i *)(k[c].q + 32 * j));                    \
+    __m256i p##c = vnni ? dpbusd(zero, kc##c, xv) : _mm256_madd_epi16(_mm256_maddubs_epi16(kc##c, xv), ones);
                 ROW_K(0)
                 ROW_K(1)
 #undef DOT
@@ -939,14 +996,14 @@ ALWAYS void q8_direct(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb
 /* nc (<= QG) weight rows from w (row bytes rb, nb blocks each) against M rows of the quantized
  * x (the 32-form, row stride ldx): y[m * ldy + c]. `next`: the group after this one (or NULL),
  * fetched while the first rows of x run. */
-ALWAYS void q8_group(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+ALWAYS void q8_group(int type, int vnni, const uint8_t *w, int64_t rb, int nc, int64_t nb,
                      const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M, float *y,
                      int64_t ldy) {
     const int kq = runs32(type) == 0;
     const int64_t runs = kq ? 8 * nb : nb * runs32(type);
     if (M <= QD) {
-        if (M == 2) q8_direct(type, w, rb, nc, nb, next, x, ldx, 2, y, ldy);
-        else q8_direct(type, w, rb, nc, nb, next, x, ldx, 1, y, ldy);
+        if (M == 2) q8_direct(type, vnni, w, rb, nc, nb, next, x, ldx, 2, y, ldy);
+        else q8_direct(type, vnni, w, rb, nc, nb, next, x, ldx, 1, y, ldy);
         return;
     }
     _Alignas(32) qrun P[QSLAB];
@@ -957,18 +1014,18 @@ ALWAYS void q8_group(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
         for (int64_t r0 = 0; r0 < runs; r0 += QSLAB) {
             int64_t r1 = r0 + QSLAB < runs ? r0 + QSLAB : runs;
             const uint8_t *pf = m0 == 0 ? next : NULL;
-            if (kq) k_panel(type, w, rb, nc, r0 / 8, r1 / 8, nb, pf, P);
-            else b32_panel(type, w, rb, nc, r0, r1, runs, pf, P);
+            if (kq) k_panel(type, vnni, w, rb, nc, r0 / 8, r1 / 8, nb, pf, P);
+            else b32_panel(type, vnni, w, rb, nc, r0, r1, runs, pf, P);
             const uint8_t *xs = x + m0 * ldx + r0 * X32_BYTES;
             for (int64_t i = 0; i < mq; i += QR) {
                 __m256 a[QR];
                 int R = (int)(mq - i < QR ? mq - i : QR);
                 for (int t = 0; t < R; t++) a[t] = _mm256_load_ps(acc[i + t]);
                 switch (R) { /* constant tile heights: the row loops unroll */
-                case 4: q8_rows(type, P, r1 - r0, xs + i * ldx, ldx, 4, a); break;
-                case 3: q8_rows(type, P, r1 - r0, xs + i * ldx, ldx, 3, a); break;
-                case 2: q8_rows(type, P, r1 - r0, xs + i * ldx, ldx, 2, a); break;
-                default: q8_rows(type, P, r1 - r0, xs + i * ldx, ldx, 1, a); break;
+                case 4: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 4, a); break;
+                case 3: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 3, a); break;
+                case 2: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 2, a); break;
+                default: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 1, a); break;
                 }
                 for (int t = 0; t < R; t++) _mm256_store_ps(acc[i + t], a[t]);
             }
@@ -981,13 +1038,23 @@ ALWAYS void q8_group(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
     }
 }
 
-static void q8_group_avx2(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+/* q8 for a group on AVX2, or with VNNI (vnni: only where VNNI_BUILT) */
+static void q8_group_avx2(int vnni, int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
                           const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M,
                           float *y, int64_t ldy) {
-    switch (type) { /* one specialization per type */
-#define Q8G(t) case t: q8_group(t, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
+    if (VNNI_BUILT && vnni) {
+        switch (type) { /* one specialization per type */
+#define Q8G(t) case t: q8_group(t, VNNI_BUILT, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
+        Q8G(T_Q8_0) Q8G(T_Q4_0) Q8G(T_Q5_0) Q8G(T_IQ4_NL) Q8G(T_IQ4_XS) Q8G(T_Q4_K) Q8G(T_Q5_K)
+        default: q8_group(T_Q6_K, VNNI_BUILT, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
+#undef Q8G
+        }
+        return;
+    }
+    switch (type) {
+#define Q8G(t) case t: q8_group(t, 0, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
     Q8G(T_Q8_0) Q8G(T_Q4_0) Q8G(T_Q5_0) Q8G(T_IQ4_NL) Q8G(T_IQ4_XS) Q8G(T_Q4_K) Q8G(T_Q5_K)
-    default: q8_group(T_Q6_K, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
+    default: q8_group(T_Q6_K, 0, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
 #undef Q8G
     }
 }
@@ -1027,8 +1094,8 @@ static void quant_x_avx2(const float *x, int64_t K, uint8_t *dst) {
 /* ---- AVX-512 (F, BW, VL) + VNNI, on top of the AVX2 helpers ----
  * Zen 4 runs a 512-bit op as two 256-bit halves: the gain is in fewer instructions, not wider
  * FLOPs. f32: the 4- and 5-bit codes index a table of their block's 16 (32) float weights, one
- * permute per 16 codes where AVX2 widens, converts and scales. q8 runs AVX2's kernels here (the
- * same bits on every path). */
+ * permute per 16 codes where AVX2 widens, converts and scales. q8 runs AVX2's kernels here with
+ * vpdpbusd (q8_group_avx2(vnni = 1): the same integers, so the same bits on every path). */
 
 static inline float hsum16(__m512 v) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
@@ -1309,7 +1376,7 @@ static void chunk_sliced_avx2(part_fn fn, const uint8_t *w, int64_t rb, int64_t 
 #endif
 #ifdef HAVE_AVX512
 TYPES(f32, avx512, TILE, b32_f32_avx512, k_f32_avx512)
-static const tile_fn AVX512[N_TYPES] = {TABLE(f32, avx512)}; /* q8: AVX2's q8_group_avx2 */
+static const tile_fn AVX512[N_TYPES] = {TABLE(f32, avx512)}; /* q8: q8_group_avx2, VNNI */
 #endif
 
 /* The per-row kernel of (isa, act, type); NULL where the ISA is not built, or where q8 runs
@@ -1326,7 +1393,7 @@ static tile_fn pick(int isa, int act, int type) {
     return NULL;
 }
 
-/* whether q8 on `isa` runs AVX2's q8_group_avx2 (AVX2, and AVX-512 where it is built) */
+/* whether q8 on `isa` runs q8_group_avx2 (AVX2, and AVX-512 with VNNI where it is built) */
 static int q8_grouped(int isa) {
 #ifdef HAVE_AVX512
     if (isa == ISA_AVX512) return 1;
@@ -1425,7 +1492,8 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             if (grouped) {
                 for (int64_t n = lo; n < hi; n += QG) {
                     const uint8_t *next = n + QG < g->n ? g->w + (n + QG) * g->rb : NULL;
-                    q8_group_avx2(g->type, g->w + n * g->rb, g->rb, (int)(hi - n < QG ? hi - n : QG),
+                    q8_group_avx2(isa == ISA_AVX512, g->type, g->w + n * g->rb, g->rb,
+                                  (int)(hi - n < QG ? hi - n : QG),
                                   g->nb, next, xq, r32, M, y + g->col0 + n, ldy);
                 }
                 continue;
