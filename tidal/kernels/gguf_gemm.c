@@ -613,7 +613,7 @@ ALWAYS void k_f32_avx2(int type, const uint8_t *w, int64_t nb, const uint8_t *x,
 #define QG 8     /* weight rows per group: one per lane */
 #define QM 64    /* rows of x per pass over a group's slabs (their accumulators wait in L1) */
 #define QSLAB 16 /* runs per slab (11 KiB of panel; two super-blocks of a K-quant) */
-#define QR 4     /* rows of x per pass over a slab */
+#define QR 8     /* rows of x per pass over a slab with VNNI (AVX2: 4; 16 ymm registers) */
 
 typedef struct {
     __m256i u[8], s[8]; /* the codes (|q| for the signed types, q ^ 0x80 on VNNI), and q for
@@ -818,13 +818,14 @@ ALWAYS __m256 q8_scale_run(int type, int off, __m256i s, const uint8_t *xr, __m2
     return a;
 }
 
-/* R (<= QR) rows of x (from x, run 0 of the slab) against the slab's nr runs, into a0..a3.
+/* R (<= QR; 4 on AVX2) rows of x (from x, run 0 of the slab) against the slab's nr runs, into
+ * acc[0..R-1].
  * Unsigned codes (Q4_0, Q5_0, K-quants): the int16 products of `sum16` vectors are added before
  * one madd (at most sum16 * 2 * code max * 127 < 2^15: 8 for 4-bit codes, 4 for 5-bit, 2 for
  * Q6_K's 6-bit). Signed (Q8_0, IQ4): the sign trick (|q| against x with q's signs; |-128| reads
- * 128 unsigned), one madd each. The rows' values are named (ROW4 spells them out): GCC keeps
+ * 128 unsigned), one madd each. The rows' values are named (ROWS spells them out): GCC keeps
  * arrays of vectors in memory here. */
-#define ROW4(OP) OP(0) OP(1) OP(2) OP(3)
+#define ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
 #define XQ(i, g) XB(x + (i) * ldx + X32_Q, g)
 ALWAYS void q8_rows(int type, int vnni, const qrun *P, int64_t nr, const uint8_t *x, int64_t ldx,
                     int R, __m256 *acc) {
@@ -832,12 +833,12 @@ ALWAYS void q8_rows(int type, int vnni, const qrun *P, int64_t nr, const uint8_t
     const int sum16 = kq ? (type == T_Q6_K ? 2 : 4) : type == T_Q4_0 ? 8 : 4;
     const __m256i ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();
 #define LOAD_A(i) __m256 a##i = R > i ? acc[i] : _mm256_setzero_ps();
-    ROW4(LOAD_A)
+    ROWS(LOAD_A)
     for (int64_t r = 0; r < nr; r++, x += X32_BYTES) {
         const qrun *p = P + r;
-        __m256i s0 = zero, s1 = zero, s2 = zero, s3 = zero;
+        __m256i s0 = zero, s1 = zero, s2 = zero, s3 = zero, s4 = zero, s5 = zero, s6 = zero, s7 = zero;
         if (vnni) { /* two chains a row: codes 0-15 (a K-quant's first scale) and 16-31 */
-            __m256i t0 = zero, t1 = zero, t2 = zero, t3 = zero;
+            __m256i t0 = zero, t1 = zero, t2 = zero, t3 = zero, t4 = zero, t5 = zero, t6 = zero, t7 = zero;
             for (int g = 0; g < 4; g++) {
                 __m256i u = p->u[g], v = p->u[g + 4];
 #define S_VNNI(i)                                                                             \
@@ -845,14 +846,14 @@ ALWAYS void q8_rows(int type, int vnni, const qrun *P, int64_t nr, const uint8_t
         s##i = dpbusd(s##i, u, XQ(i, g));                                                     \
         t##i = dpbusd(t##i, v, XQ(i, g + 4));                                                 \
     }
-                ROW4(S_VNNI)
+                ROWS(S_VNNI)
             }
 #define S_JOIN(i)                                                                             \
     if (R > i)                                                                                \
         s##i = kq ? _mm256_add_epi32(_mm256_mullo_epi32(s##i, p->sc[0]),                      \
                                      _mm256_mullo_epi32(t##i, p->sc[1]))                       \
                   : _mm256_add_epi32(s##i, t##i);
-            ROW4(S_JOIN)
+            ROWS(S_JOIN)
         } else if (kq || off) { /* one row's int16 sum at a time: few values live, no spills */
             for (int g0 = 0; g0 < 8; g0 += sum16) {
                 __m256i m = kq ? p->sc[g0 / 4] : ones;
@@ -863,7 +864,7 @@ ALWAYS void q8_rows(int type, int vnni, const qrun *P, int64_t nr, const uint8_t
             h = _mm256_add_epi16(h, _mm256_maddubs_epi16(p->u[g], XQ(i, g)));                 \
         s##i = _mm256_add_epi32(s##i, _mm256_madd_epi16(h, m));                               \
     }
-                ROW4(S_UNSIGNED)
+                ROWS(S_UNSIGNED)
             }
         } else {
             for (int g = 0; g < 8; g++) {
@@ -872,14 +873,14 @@ ALWAYS void q8_rows(int type, int vnni, const qrun *P, int64_t nr, const uint8_t
     if (R > i)                                                                                \
         s##i = _mm256_add_epi32(                                                              \
             s##i, _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(XQ(i, g), sg)), ones));
-                ROW4(S_SIGNED)
+                ROWS(S_SIGNED)
             }
         }
 #define EPILOGUE(i) if (R > i) a##i = q8_scale_run(type, off, s##i, x + i * ldx, p->d, p->dm, p->mn, a##i);
-        ROW4(EPILOGUE)
+        ROWS(EPILOGUE)
     }
 #define STORE_A(i) if (R > i) acc[i] = a##i;
-    ROW4(STORE_A)
+    ROWS(STORE_A)
 #undef LOAD_A
 #undef S_UNSIGNED
 #undef S_SIGNED
@@ -1017,11 +1018,16 @@ ALWAYS void q8_group(int type, int vnni, const uint8_t *w, int64_t rb, int nc, i
             if (kq) k_panel(type, vnni, w, rb, nc, r0 / 8, r1 / 8, nb, pf, P);
             else b32_panel(type, vnni, w, rb, nc, r0, r1, runs, pf, P);
             const uint8_t *xs = x + m0 * ldx + r0 * X32_BYTES;
-            for (int64_t i = 0; i < mq; i += QR) {
+            const int qr = vnni ? QR : 4; /* VNNI: 32 registers (8 rows: 3-10% on the K-quants) */
+            for (int64_t i = 0; i < mq; i += qr) {
                 __m256 a[QR];
-                int R = (int)(mq - i < QR ? mq - i : QR);
+                int R = (int)(mq - i < qr ? mq - i : qr);
                 for (int t = 0; t < R; t++) a[t] = _mm256_load_ps(acc[i + t]);
                 switch (R) { /* constant tile heights: the row loops unroll */
+                case 8: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 8, a); break;
+                case 7: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 7, a); break;
+                case 6: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 6, a); break;
+                case 5: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 5, a); break;
                 case 4: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 4, a); break;
                 case 3: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 3, a); break;
                 case 2: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 2, a); break;
