@@ -226,6 +226,18 @@ def test_gguf_q8_needs_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
         native_scheme("gguf-q8", "gguf-q8")
 
 
+def test_quantize_check_of_gguf_q8_needs_the_kernels(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gate refuses gguf-q8 where the engine would, before loading anything: without the
+    kernels it would score float activations and store that verdict under gguf-q8's name."""
+    from tidal.worker.gate import run_gate
+
+    monkeypatch.setattr(gg, "available", lambda: False)
+    with pytest.raises(ValueError, match="quantization='gguf-q8' is invalid here"):
+        run_gate(tiny_gguf, "gguf-q8", max_tokens=16)
+
+
 def test_auto_scheme_and_refusals(tiny_gguf: Path, tmp_path: Path) -> None:
     assert resolve_scheme("auto", True, "cpu") == "gguf-q8"
     assert resolve_scheme("auto", False, "cpu") == "none"

@@ -197,6 +197,12 @@ def run_gate(
     from tidal.quant.gguf_blocks import set_activations
 
     check_scheme(scheme)
+    if scheme == "gguf-q8":
+        from tidal.engine.builder import native_scheme
+
+        # Without tidal's C kernels int8 activations cannot run: refused, as the engine does,
+        # rather than scoring float activations under gguf-q8's name (and caching that verdict).
+        native_scheme(scheme, scheme)
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(
             f"kv_cache_dtype={kv_cache_dtype!r} is invalid: expected one of "
