@@ -214,7 +214,7 @@ def test_bad_activation_mode_is_refused(tiny_gguf: Path) -> None:
 def test_gguf_q8_needs_the_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without tidal's C kernels auto falls back to float activations (torch runs them) and an
     explicit gguf-q8 is refused, not served in float."""
-    from tidal.engine.builder import native_scheme
+    from tidal.quant.gguf_blocks import native_scheme
 
     assert native_scheme("none", "auto") == "none"
     if gg.available():

@@ -16,6 +16,7 @@ from tidal.config.quant import NATIVE_SCHEMES, gate_needed, resolve_scheme
 from tidal.engine.core import EngineCore
 from tidal.engine.stats import StepStats
 from tidal.loader.heap import release_free_heap
+from tidal.quant.gguf_blocks import native_scheme
 
 log = logging.getLogger("tidal.engine")
 
@@ -84,7 +85,11 @@ def build_engine(
     dtype = resolve_dtype(config.weight_dtype, device)
     path = model_path(config)
     scheme = resolve_scheme(config.model.quantization, not Path(path).is_dir(), device.type)
-    scheme = native_scheme(scheme, config.model.quantization)
+    resolved, scheme = scheme, native_scheme(scheme, config.model.quantization)
+    if scheme != resolved:
+        log.info(
+            "tidal's C kernels did not build: serving the GGUF's blocks with float activations"
+        )
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, scheme)
     if kv_dtype != config.cache.kv_cache_dtype:
         config = replace(config, cache=replace(config.cache, kv_cache_dtype=kv_dtype))
@@ -153,27 +158,6 @@ def build_engine(
         progress(f"KV cache: {core.num_blocks} blocks of {core.layout.page_bytes} bytes")
     release_free_heap()  # loading's scratch (GGUF metadata, weight conversion) is free by now
     return core
-
-
-def native_scheme(scheme: str, asked: str) -> str:
-    """gguf-q8 runs on tidal's C kernels only. Without them (no C compiler, or TIDAL_KERNELS=0)
-    "auto" takes the blocks with float activations, which the torch fallback runs, and an
-    explicit gguf-q8 is refused rather than served in float."""
-    if scheme != "gguf-q8":
-        return scheme
-    from tidal.kernels import gguf_gemm
-
-    if gguf_gemm.available():
-        return scheme
-    if asked == "auto":
-        log.info(
-            "tidal's C kernels did not build: serving the GGUF's blocks with float activations"
-        )
-        return "gguf"
-    raise ValueError(
-        "quantization='gguf-q8' is invalid here: its int8 activations need tidal's C kernels, "
-        "which did not build (no C compiler, or TIDAL_KERNELS=0); expected auto or gguf"
-    )
 
 
 def _start_group(

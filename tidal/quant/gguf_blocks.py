@@ -33,6 +33,27 @@ from tidal.kernels.gguf_gemm import default_isa as gguf_default_isa
 from tidal.kernels.gguf_gemm import isas as gguf_isas
 
 ACTIVATIONS = ("f32", "q8")
+
+
+def native_scheme(scheme: str, asked: str) -> str:
+    """The scheme to run for `scheme` as resolved from the setting `asked`: gguf-q8 runs on
+    tidal's C kernels only. Without them (no C compiler, or TIDAL_KERNELS=0) "auto" takes the
+    blocks with float activations ("gguf", which the torch fallback runs) and an explicit gguf-q8
+    is refused rather than served, or measured by the gate, in float."""
+    if scheme != "gguf-q8":
+        return scheme
+    from tidal.kernels import gguf_gemm
+
+    if gguf_gemm.available():
+        return scheme
+    if asked == "auto":
+        return "gguf"
+    raise ValueError(
+        "quantization='gguf-q8' is invalid here: its int8 activations need tidal's C kernels, "
+        "which did not build (no C compiler, or TIDAL_KERNELS=0); expected auto or gguf"
+    )
+
+
 # Rows of x up to which the kernel runs in "f32" mode; above it (prefill chunks) the prefill GEMM
 # (cpu_gemm()) runs, which is faster there. "q8" runs the kernel for every
 # batch: its integer dot products are the fast path for many rows too.

@@ -198,7 +198,7 @@ def run_gate(
 
     check_scheme(scheme)
     if scheme == "gguf-q8":
-        from tidal.engine.builder import native_scheme
+        from tidal.quant.gguf_blocks import native_scheme
 
         # Without tidal's C kernels int8 activations cannot run: refused, as the engine does,
         # rather than scoring float activations under gguf-q8's name (and caching that verdict).
