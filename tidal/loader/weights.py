@@ -109,9 +109,11 @@ def iter_gguf_weights(
 
     Where `keep_blocks(hf_name)` is true and tidal's kernels read the tensor's block type, the
     tensor comes as a BlockWeight over the file's own bytes instead (memory-mapped, not copied,
-    except Llama's Q/K rows, which are reordered)."""
+    except Llama's Q/K rows, which are reordered, and tensors of RESIDENT_MIN_BYTES and more,
+    read into huge pages: tidal/loader/resident.py)."""
     from tidal.kernels.gguf_gemm import SUPPORTED_TYPES, BlockWeight
     from tidal.loader.gguf_file import GGUFFile
+    from tidal.loader.resident import read_resident, wants_resident
 
     with GGUFFile(path) as f:
         for name, info in f.tensors.items():
@@ -134,7 +136,10 @@ def iter_gguf_weights(
                 and keep_blocks(hf)
             ):
                 rows, cols = info.shape
-                blocks = torch.from_numpy(f.raw(name)).view(rows, -1)  # (rows, row_bytes)
+                if wants_resident(info.nbytes):  # huge pages for a large matrix (resident.py)
+                    blocks = read_resident(path, info.offset, info.nbytes).view(rows, -1)
+                else:
+                    blocks = torch.from_numpy(f.raw(name)).view(rows, -1)  # (rows, row_bytes)
                 if permuted:
                     heads = arch.num_heads if "q_proj" in hf else arch.num_kv_heads
                     blocks = unpermute_qk(blocks, heads).contiguous()
