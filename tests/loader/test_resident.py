@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,3 +92,29 @@ def test_resident_blocks_give_the_same_model(
     torch.manual_seed(0)
     x = torch.randn(4, mapped.arch.hidden_size)
     assert torch.equal(mapped.model.lm_head(x), ours.model.lm_head(x))
+
+
+def test_tensor_parallel_rows_of_a_resident_matrix_are_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rank's rows of a resident matrix are its own copy (huge pages again where large), so
+    the whole matrix is freed after loading; rows of a mapped one stay views of the file."""
+    from tidal.kernels.gguf_gemm import BlockWeight
+    from tidal.loader.shard import TensorSlice, slice_blocks
+
+    rows, row_bytes = 64, 34 * 2  # Q8_0, 64 columns
+    data = torch.randint(0, 256, (rows * row_bytes,), dtype=torch.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c")).view(rows, row_bytes)
+    monkeypatch.setattr(resident, "RESIDENT_MIN_BYTES", 0)
+    monkeypatch.setattr(resident, "huge_pages_available", lambda: True)
+    whole = read_resident(path, 0, rows * row_bytes).view(rows, row_bytes)
+    assert resident.is_resident(whole) and not resident.is_resident(mapped)
+    part = TensorSlice(0, 16, 48)
+    for blocks, copied in ((whole, True), (mapped, False)):
+        got = slice_blocks(BlockWeight(blocks, 8, rows, 64), part, "w").blocks
+        assert torch.equal(got, data.view(rows, row_bytes)[16:48])
+        shares = got.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr()
+        assert shares != copied
+        assert resident.is_resident(got) == copied

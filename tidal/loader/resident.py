@@ -43,18 +43,40 @@ def wants_resident(nbytes: int) -> bool:
     return nbytes >= RESIDENT_MIN_BYTES and huge_pages_available()
 
 
+def _huge_page_tensor(nbytes: int) -> tuple[mmap.mmap, int]:
+    """An anonymous mapping with `nbytes` from a huge-page boundary (returned as `start`),
+    advised MADV_HUGEPAGE before anything touches it."""
+    # Private: a shared anonymous mapping is shmem, whose huge pages are another setting.
+    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
+    start = -base % HUGE_PAGE_BYTES
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    return mapping, start
+
+
+def _tensor_of(mapping: mmap.mmap, start: int, nbytes: int) -> torch.Tensor:
+    t = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
+    _RESIDENT.add(t.untyped_storage().data_ptr())
+    return t
+
+
+# The storages read_resident and resident_copy made (their start addresses; never forgotten: a
+# stale entry only makes slice_blocks copy where it could have viewed)
+_RESIDENT: set[int] = set()
+
+
+def is_resident(t: torch.Tensor) -> bool:
+    """Whether t (or the tensor it views) is memory of its own made here, not a file's mapping."""
+    return t.untyped_storage().data_ptr() in _RESIDENT
+
+
 def read_resident(path: str | Path, offset: int, nbytes: int) -> torch.Tensor:
     """The file's bytes [offset, offset + nbytes) as a uint8 tensor in anonymous memory aligned
     to, and advised for, huge pages. The tensor keeps the mapping alive."""
     if nbytes <= 0:
         raise ValueError(f"nbytes {nbytes} must be positive")
-    # Private: a shared anonymous mapping is shmem, whose huge pages are another setting.
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    base = torch.frombuffer(mapping, dtype=torch.uint8, count=1).data_ptr()
-    start = -base % HUGE_PAGE_BYTES  # the first huge-page boundary in the mapping
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        # Before the first write: the pages fault in huge where the kernel has them.
-        mapping.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
+    mapping, start = _huge_page_tensor(nbytes)
     view = memoryview(mapping)[start : start + nbytes]
     with open(path, "rb", buffering=0) as fh:
         fh.seek(offset)
@@ -65,4 +87,16 @@ def read_resident(path: str | Path, offset: int, nbytes: int) -> torch.Tensor:
                 raise OSError(f"{path}: {nbytes - done} bytes short at offset {offset + done}")
             done += got
     view.release()
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes, offset=start)
+    return _tensor_of(mapping, start, nbytes)
+
+
+def resident_copy(src: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of src's bytes (uint8) in memory of its own: huge pages where
+    wants_resident says so (tensor parallel's rows of a resident matrix), else a plain clone."""
+    nbytes = src.numel() * src.element_size()
+    if not wants_resident(nbytes):
+        return src.contiguous().clone()
+    mapping, start = _huge_page_tensor(nbytes)
+    out = _tensor_of(mapping, start, nbytes).view(src.dtype).view(src.shape)
+    out.copy_(src)
+    return out

@@ -143,13 +143,18 @@ def slice_tensor(t: torch.Tensor, s: TensorSlice) -> torch.Tensor:
 
 
 def slice_blocks(w: BlockWeight, s: TensorSlice, name: str) -> BlockWeight:
-    """Rows of a GGUF block matrix (a view of the file's bytes), or columns on block boundaries
+    """Rows of a GGUF block matrix (a view of the file's bytes; a copy of a resident matrix's,
+    tidal/loader/resident.py), or columns on block boundaries
     (a copy of this rank's bytes); ValueError when the column split cuts through a block."""
     from tidal.kernels.gguf_gemm import BlockWeight
+    from tidal.loader.resident import is_resident, resident_copy
     from tidal.quant.gguf_types import BLOCK_SIZES, GGMLType
 
     if s.dim == 0:
-        return BlockWeight(w.blocks[s.start : s.stop], w.ggml_type, s.stop - s.start, w.cols)
+        rows = w.blocks[s.start : s.stop]
+        if is_resident(w.blocks):  # read into memory of its own: copied, so the whole can go
+            rows = resident_copy(rows)
+        return BlockWeight(rows, w.ggml_type, s.stop - s.start, w.cols)
     elems, nbytes = BLOCK_SIZES[GGMLType(w.ggml_type)]
     if s.start % elems or s.stop % elems:
         raise ValueError(
