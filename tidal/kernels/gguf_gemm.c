@@ -677,6 +677,14 @@ ALWAYS int q8_offset(int type, int vnni) {
     return vnni && !code_offset(type) && runs32(type) ? 128 : code_offset(type);
 }
 
+/* run g of a runs-of-32 row as the q8 kernels take it: Q4_0/Q5_0's unsigned codes, the signed
+ * types' q (q ^ 0x80 on VNNI); *d its scale */
+ALWAYS __m256i b32_q8_codes(int type, int vnni, const uint8_t *w, int64_t g, float *d) {
+    if (code_offset(type)) return b32_codes_avx2(type, w, g, d);
+    __m256i q = b32_decode_avx2(type, w, g, d);
+    return vnni ? _mm256_xor_si256(q, _mm256_set1_epi8(-128)) : q;
+}
+
 /* the dwords at base + idx[c] for the lanes c < nc, zeros past nc. Gathered: a vector built from
  * eight scalar stores would wait for store forwarding to fail, once per run. */
 ALWAYS __m256i gather_lanes(const void *base, __m256i idx, int nc) {
@@ -747,13 +755,9 @@ ALWAYS void b32_panel(int type, int vnni, const uint8_t *w, int64_t rb, int nc, 
         float d;
         prefetch_part(pf, r, runs, QG * rb);
         for (int c = 0; c < QG; c++) /* lanes past nc multiply zeros */
-            q[c] = c >= nc ? _mm256_setzero_si256()
-                   : off   ? b32_codes_avx2(type, w + c * rb, r, &d)
-                           : b32_decode_avx2(type, w + c * rb, r, &d);
+            q[c] = c < nc ? b32_q8_codes(type, vnni, w + c * rb, r, &d) : _mm256_setzero_si256();
         transpose8(q, off || vnni ? p->u : p->s);
-        if (!off && vnni)
-            for (int g = 0; g < 8; g++) p->u[g] = _mm256_xor_si256(p->u[g], _mm256_set1_epi8(-128));
-        else if (!off)
+        if (!off && !vnni)
             for (int g = 0; g < 8; g++) p->u[g] = _mm256_sign_epi8(p->s[g], p->s[g]);
         p->d = b32_scales(type, w, rb, nc, r, rows);
     }
@@ -929,10 +933,7 @@ ALWAYS void q8_direct(int type, int vnni, const uint8_t *w, int64_t rb, int nc, 
             float dd;
 #define DECODE(c)                                                                             \
     __m256i q##c = zero;                                                                      \
-    if (c < nc)                                                                               \
-        q##c = code_offset(type) ? b32_codes_avx2(type, w + c * rb, r, &dd)                   \
-             : vnni ? _mm256_xor_si256(b32_decode_avx2(type, w + c * rb, r, &dd), _mm256_set1_epi8(-128)) \
-                    : b32_decode_avx2(type, w + c * rb, r, &dd);
+    if (c < nc) q##c = b32_q8_codes(type, vnni, w + c * rb, r, &dd);
             COL8(DECODE)
 #undef DECODE
             __m256 d = b32_scales(type, w, rb, nc, r, rows);
@@ -1050,21 +1051,17 @@ ALWAYS void q8_group(int type, int vnni, const uint8_t *w, int64_t rb, int nc, i
 static void q8_group_avx2(int vnni, int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
                           const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M,
                           float *y, int64_t ldy) {
-    if (VNNI_BUILT && vnni) {
-        switch (type) { /* one specialization per type */
-#define Q8G(t) case t: q8_group(t, VNNI_BUILT, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
-        Q8G(T_Q8_0) Q8G(T_Q4_0) Q8G(T_Q5_0) Q8G(T_IQ4_NL) Q8G(T_IQ4_XS) Q8G(T_Q4_K) Q8G(T_Q5_K)
-        default: q8_group(T_Q6_K, VNNI_BUILT, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
-#undef Q8G
-        }
-        return;
-    }
+    /* one specialization per (type, VNNI or not) */
+#define Q8T(t)                                                                                \
+    if (VNNI_BUILT && vnni) q8_group(t, VNNI_BUILT, w, rb, nc, nb, next, x, ldx, M, y, ldy);    \
+    else q8_group(t, 0, w, rb, nc, nb, next, x, ldx, M, y, ldy);
+#define Q8G(t) case t: { Q8T(t) } break;
     switch (type) {
-#define Q8G(t) case t: q8_group(t, 0, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
     Q8G(T_Q8_0) Q8G(T_Q4_0) Q8G(T_Q5_0) Q8G(T_IQ4_NL) Q8G(T_IQ4_XS) Q8G(T_Q4_K) Q8G(T_Q5_K)
-    default: q8_group(T_Q6_K, 0, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
-#undef Q8G
+    default: { Q8T(T_Q6_K) } break;
     }
+#undef Q8G
+#undef Q8T
 }
 
 static void quant_x_avx2(const float *x, int64_t K, uint8_t *dst) {

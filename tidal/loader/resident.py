@@ -43,7 +43,7 @@ def wants_resident(nbytes: int) -> bool:
     return nbytes >= RESIDENT_MIN_BYTES and huge_pages_available()
 
 
-def _huge_page_tensor(nbytes: int) -> tuple[mmap.mmap, int]:
+def _huge_page_mapping(nbytes: int) -> tuple[mmap.mmap, int]:
     """An anonymous mapping with `nbytes` from a huge-page boundary (returned as `start`),
     advised MADV_HUGEPAGE before anything touches it."""
     # Private: a shared anonymous mapping is shmem, whose huge pages are another setting.
@@ -76,7 +76,7 @@ def read_resident(path: str | Path, offset: int, nbytes: int) -> torch.Tensor:
     to, and advised for, huge pages. The tensor keeps the mapping alive."""
     if nbytes <= 0:
         raise ValueError(f"nbytes {nbytes} must be positive")
-    mapping, start = _huge_page_tensor(nbytes)
+    mapping, start = _huge_page_mapping(nbytes)
     view = memoryview(mapping)[start : start + nbytes]
     with open(path, "rb", buffering=0) as fh:
         fh.seek(offset)
@@ -96,7 +96,7 @@ def resident_copy(src: torch.Tensor) -> torch.Tensor:
     nbytes = src.numel() * src.element_size()
     if not wants_resident(nbytes):
         return src.contiguous().clone()
-    mapping, start = _huge_page_tensor(nbytes)
+    mapping, start = _huge_page_mapping(nbytes)
     out = _tensor_of(mapping, start, nbytes).view(src.dtype).view(src.shape)
     out.copy_(src)
     return out

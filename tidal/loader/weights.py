@@ -136,7 +136,7 @@ def iter_gguf_weights(
                 and keep_blocks(hf)
             ):
                 rows, cols = info.shape
-                if wants_resident(info.nbytes):  # huge pages for a large matrix (resident.py)
+                if wants_resident(info.nbytes) and not permuted:  # huge pages (resident.py)
                     blocks = read_resident(path, info.offset, info.nbytes).view(rows, -1)
                 else:
                     blocks = torch.from_numpy(f.raw(name)).view(rows, -1)  # (rows, row_bytes)
