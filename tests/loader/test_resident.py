@@ -1,7 +1,11 @@
-"""Large GGUF block tensors read into huge-page-backed memory (tidal/loader/resident.py)."""
+"""Large GGUF block tensors mapped, then moved into huge-page-backed memory in place
+(tidal/loader/resident.py)."""
 
 from __future__ import annotations
 
+import gc
+import mmap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +15,12 @@ import torch
 from tests.loader.test_weight_cache import write_tiny_quantized_gemma
 from tidal.loader import resident
 from tidal.loader.model_loader import load_model
-from tidal.loader.resident import HUGE_PAGE_BYTES, huge_pages_available, read_resident
+from tidal.loader.resident import (
+    HUGE_PAGE_BYTES,
+    huge_pages_available,
+    map_resident,
+    promote_resident,
+)
 from tidal.quant.gguf_blocks import GGUFLinear
 
 
@@ -35,43 +44,126 @@ def _vma_of(address: int) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("offset, nbytes", [(0, 1), (7, 5000), (4096, HUGE_PAGE_BYTES + 123)])
-def test_reads_the_files_bytes(tmp_path: Path, offset: int, nbytes: int) -> None:
+def test_maps_then_moves_the_files_bytes_in_place(tmp_path: Path, offset: int, nbytes: int) -> None:
     data = torch.randint(0, 256, (offset + nbytes + 11,), dtype=torch.uint8)
     path = tmp_path / "blob"
     path.write_bytes(data.numpy().tobytes())
-    t = read_resident(path, offset, nbytes)
+    t = map_resident(path, offset, nbytes)
     assert t.dtype == torch.uint8 and t.shape == (nbytes,)
-    assert t.data_ptr() % HUGE_PAGE_BYTES == 0  # where a huge page can start
+    # its file page starts where a huge page can
+    assert (t.data_ptr() - offset % mmap.PAGESIZE) % HUGE_PAGE_BYTES == 0
+    assert _vma_of(t.data_ptr())["path"] == str(path)  # mapped, not read
     assert torch.equal(t, data[offset : offset + nbytes])
-    t[0] = t[0] ^ 1  # its own memory: writable, the file untouched
+    t[0] = t[0] ^ 1  # private: writable, the file untouched
     assert path.read_bytes()[offset] == int(data[offset])
+    address = t.data_ptr()
+    assert promote_resident() >= nbytes
+    assert t.data_ptr() == address  # same pointer: the kernels' cached arguments stay valid
+    assert _vma_of(address)["path"] == ""  # anonymous memory now
+    want = data[offset : offset + nbytes].clone()
+    want[0] ^= 1  # the write went along
+    assert torch.equal(t, want)
+    assert promote_resident() == 0  # nothing left to move
 
 
 @pytest.mark.skipif(not huge_pages_available(), reason="transparent huge pages are off here")
-def test_the_mapping_is_eligible_for_huge_pages(tmp_path: Path) -> None:
+def test_the_moved_memory_is_eligible_for_huge_pages(tmp_path: Path) -> None:
     path = tmp_path / "blob"
     path.write_bytes(bytes(range(256)) * (3 * HUGE_PAGE_BYTES // 256))
-    t = read_resident(path, 0, 3 * HUGE_PAGE_BYTES)
+    t = map_resident(path, 0, 3 * HUGE_PAGE_BYTES)
+    promote_resident()
     vma = _vma_of(t.data_ptr())
     assert "hg" in vma.get("VmFlags", "").split(), vma  # MADV_HUGEPAGE took
     if "THPeligible" in vma:
         assert vma["THPeligible"] == "1", vma
+    assert torch.equal(t[:256], torch.arange(256, dtype=torch.uint8))
+
+
+def test_readers_see_the_same_bytes_while_it_moves(tmp_path: Path) -> None:
+    """The move replaces the mapping under a thread that keeps reading it: every read, before,
+    during and after, sees the file's bytes."""
+    nbytes = 4 * HUGE_PAGE_BYTES + 999
+    data = torch.randint(0, 256, (nbytes + 5,), dtype=torch.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.numpy().tobytes())
+    t = map_resident(path, 5, nbytes)
+    want = int(data[5:].sum())
+    sums: list[int] = []
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set() or len(sums) < 3:
+            sums.append(int(t.sum()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert promote_resident() >= nbytes
+    finally:
+        stop.set()
+        reader.join(timeout=60)
+    assert sums and all(s == want for s in sums)
+    assert _vma_of(t.data_ptr())["path"] == ""
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_the_move_never_holds_the_matrix_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunk by chunk: each chunk's move unmaps the file pages it replaces, so the process's
+    RSS after any copy is the matrix's plus about one chunk, never twice the matrix."""
+    nbytes = 24 * HUGE_PAGE_BYTES
+    path = tmp_path / "blob"
+    path.write_bytes(bytes(range(256)) * (nbytes // 256))
+    t = map_resident(path, 0, nbytes)
+    assert int(t[:: mmap.PAGESIZE].sum()) == 0  # every page touched: all of it in the RSS
+    chunk = 4 * HUGE_PAGE_BYTES
+    monkeypatch.setattr(resident, "_CHUNK", chunk)
+    after_copies: list[int] = []
+    memmove = resident.ctypes.memmove
+
+    def copy(dst: int, src: int, n: int) -> int:
+        out = memmove(dst, src, n)
+        after_copies.append(_rss_bytes())
+        return out
+
+    monkeypatch.setattr(resident.ctypes, "memmove", copy)
+    before = _rss_bytes()
+    assert promote_resident() == nbytes
+    assert len(after_copies) == nbytes // chunk
+    assert max(after_copies) - before < 2 * chunk, (before, after_copies)
+    assert torch.equal(t[:256], torch.arange(256, dtype=torch.uint8))
+
+
+def test_a_region_whose_tensors_are_gone_is_skipped(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    path.write_bytes(b"y" * 10_000)
+    t = map_resident(path, 100, 5000)
+    del t
+    gc.collect()
+    assert promote_resident() == 0
 
 
 def test_a_short_file_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "blob"
     path.write_bytes(b"x" * 100)
     with pytest.raises(OSError, match="bytes short"):
-        read_resident(path, 50, 100)
+        map_resident(path, 50, 100)
     with pytest.raises(ValueError, match="must be positive"):
-        read_resident(path, 0, 0)
+        map_resident(path, 0, 0)
 
 
 def test_resident_blocks_give_the_same_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the size threshold at zero every block tensor is read into its own memory: the same
-    bytes, so the same logits, as the mapped load."""
+    """With the size threshold at zero every block tensor is mapped on its own, then moved into
+    its own memory: the same bytes, so the same logits, as the plain mapped load."""
     path = tmp_path / "tiny-q.gguf"
     write_tiny_quantized_gemma(path)
     mapped = load_model(path, gguf_blocks=True)
@@ -84,6 +176,7 @@ def test_resident_blocks_give_the_same_model(
         if isinstance(a, GGUFLinear)
     ]
     assert pairs
+    promote_resident()
     for a, b in pairs:
         for pa, pb in zip(a.parts, b.parts, strict=True):
             assert torch.equal(pa.blocks, pb.blocks)
@@ -109,7 +202,7 @@ def test_tensor_parallel_rows_of_a_resident_matrix_are_copied(
     mapped = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c")).view(rows, row_bytes)
     monkeypatch.setattr(resident, "RESIDENT_MIN_BYTES", 0)
     monkeypatch.setattr(resident, "huge_pages_available", lambda: True)
-    whole = read_resident(path, 0, rows * row_bytes).view(rows, row_bytes)
+    whole = map_resident(path, 0, rows * row_bytes).view(rows, row_bytes)
     assert resident.is_resident(whole) and not resident.is_resident(mapped)
     part = TensorSlice(0, 16, 48)
     for blocks, copied in ((whole, True), (mapped, False)):
@@ -118,3 +211,32 @@ def test_tensor_parallel_rows_of_a_resident_matrix_are_copied(
         shares = got.untyped_storage().data_ptr() == blocks.untyped_storage().data_ptr()
         assert shares != copied
         assert resident.is_resident(got) == copied
+
+
+def test_an_engine_serves_the_same_tokens_before_and_after_the_move(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """build_engine starts the move on a background thread; greedy tokens are the same as a
+    plainly mapped engine's, and stay the same once every block tensor has moved."""
+    from tidal import LLM, SamplingParams
+
+    path = tmp_path / "tiny-q.gguf"
+    write_tiny_quantized_gemma(path)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[1, 5, 9, 22, 7], [1, 40, 3]]
+    kwargs = dict(kv_cache_bytes=4 << 20, block_size=8, threads=1)
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        return [o.outputs[0].token_ids for o in outs]
+
+    mapped = tokens(LLM(str(path), **kwargs))
+    monkeypatch.setattr(resident, "RESIDENT_MIN_BYTES", 0)
+    monkeypatch.setattr(resident, "huge_pages_available", lambda: True)
+    llm = LLM(str(path), **kwargs)
+    during = tokens(llm)  # the background move may be under way
+    promote_resident()  # waits for it (one move at a time), then moves anything left
+    head = llm.engine.loaded.model.lm_head.parts[0].blocks
+    assert resident.is_resident(head) and _vma_of(head.data_ptr())["path"] == ""
+    assert during == mapped
+    assert tokens(llm) == mapped

@@ -59,14 +59,21 @@ def build_engine(
     progress: Callable[[str], None] | None = None,
     on_group_lost: Callable[[str], None] | None = None,
     decode_only: bool = False,
+    huge_pages_later: bool = False,
 ) -> EngineCore:
     """`on_group_lost(reason)` is called (on a watcher thread) when a tensor-parallel rank is
     lost; the engine process exits there, so the supervisor restarts the whole group.
 
     `decode_only`: the caller never encodes text with `core.tokenizer` (the engine process of
     `tidal serve`, whose API process tokenizes), so it may hold a decode-only tokenizer
-    (tidal.loader.token_decoder: 3.4 MB instead of ~95 MB for Gemma 3's 262k vocabulary)."""
+    (tidal.loader.token_decoder: 3.4 MB instead of ~95 MB for Gemma 3's 262k vocabulary).
+
+    Large GGUF block tensors (the LM head) start as mappings of the file and move into huge
+    pages on a low-priority thread (tidal/loader/resident.py) that starts here, or, with
+    `huge_pages_later`, when the caller calls `promote_in_background()` (the engine process:
+    after it reports ready, so the move is not on the restart's path)."""
     from tidal.loader.model_loader import load_model
+    from tidal.loader.resident import promote_in_background
     from tidal.loader.token_decoder import load_token_decoder
     from tidal.loader.tokenizer import load_tokenizer
 
@@ -157,6 +164,8 @@ def build_engine(
     if progress:
         progress(f"KV cache: {core.num_blocks} blocks of {core.layout.page_bytes} bytes")
     release_free_heap()  # loading's scratch (GGUF metadata, weight conversion) is free by now
+    if not huge_pages_later:
+        promote_in_background()
     return core
 
 

@@ -77,7 +77,10 @@ def run_engine_process(
     phases.mark("import")
     try:
         # The API process tokenizes; this process only decodes.
-        core = build_engine(config, progress=log.info, on_group_lost=_group_lost, decode_only=True)
+        core = build_engine(
+            config, progress=log.info, on_group_lost=_group_lost, decode_only=True,
+            huge_pages_later=True,
+        )  # fmt: skip
         phases.mark("build")
         if warmup:
             _warm_up(core)
@@ -117,6 +120,11 @@ def run_engine_process(
     )
     if fault == "exit_when_ready":
         os._exit(FAULT_EXIT_CODE)
+    # Ready: now the LM head may move into huge pages (~0.25-0.5 s of copying and page
+    # assembly, at the lowest priority; the pointers stay, so steps run on meanwhile).
+    from tidal.loader.resident import promote_in_background
+
+    promote_in_background()
     hang_waiting = int(fault.split("=")[1]) if fault and fault.startswith("hang_") else None
     _PipeEngine(core, conn, hang_waiting).run()
 

@@ -109,11 +109,11 @@ def iter_gguf_weights(
 
     Where `keep_blocks(hf_name)` is true and tidal's kernels read the tensor's block type, the
     tensor comes as a BlockWeight over the file's own bytes instead (memory-mapped, not copied,
-    except Llama's Q/K rows, which are reordered, and tensors of RESIDENT_MIN_BYTES and more,
-    read into huge pages: tidal/loader/resident.py)."""
+    except Llama's Q/K rows, which are reordered; tensors of RESIDENT_MIN_BYTES and more are
+    mapped where tidal/loader/resident.py can later move them into huge pages)."""
     from tidal.kernels.gguf_gemm import SUPPORTED_TYPES, BlockWeight
     from tidal.loader.gguf_file import GGUFFile
-    from tidal.loader.resident import read_resident, wants_resident
+    from tidal.loader.resident import map_resident, wants_resident
 
     with GGUFFile(path) as f:
         for name, info in f.tensors.items():
@@ -137,7 +137,7 @@ def iter_gguf_weights(
             ):
                 rows, cols = info.shape
                 if wants_resident(info.nbytes) and not permuted:  # huge pages (resident.py)
-                    blocks = read_resident(path, info.offset, info.nbytes).view(rows, -1)
+                    blocks = map_resident(path, info.offset, info.nbytes).view(rows, -1)
                 else:
                     blocks = torch.from_numpy(f.raw(name)).view(rows, -1)  # (rows, row_bytes)
                 if permuted:
