@@ -50,7 +50,9 @@ def one(n: int, model: str | None, quantization: str, tokens: int) -> dict:
     m = out.metrics
     decode_s = (m.last_token_time_s - m.first_token_time_s) if m is not None else elapsed
     me = psutil.Process()
-    workers = [c for c in me.children(recursive=True) if "tidal.executor.worker" in " ".join(c.cmdline())]
+    workers = [
+        c for c in me.children(recursive=True) if "tidal.executor.worker" in " ".join(c.cmdline())
+    ]
     record = {
         "tensor_parallel": n,
         "threads_per_rank": __import__("torch").get_num_threads(),
