@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import mmap
+import sys
 import threading
 from pathlib import Path
 
@@ -22,6 +23,10 @@ from tidal.loader.resident import (
     promote_resident,
 )
 from tidal.quant.gguf_blocks import GGUFLinear
+
+# mmap(MAP_FIXED), mremap and /proc/self/smaps: Linux only, as tidal's use of them
+# (wants_resident is false elsewhere)
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
 
 def _vma_of(address: int) -> dict[str, str]:
