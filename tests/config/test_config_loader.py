@@ -123,6 +123,8 @@ def test_cli_flags_map_to_keys() -> None:
         "/m/x.gguf",
     )
     assert (e.scheduler.window_ms, e.scheduler.max_num_seqs) == (5.0, 16)
+    assert e.model.huge_pages is True  # the default
+    assert load_config(None, {}, _parse(["--no-huge-pages"])).engine.model.huge_pages is False
     assert (cfg.server.request_timeout_s, cfg.server.host) == (30.0, "::1")
 
 

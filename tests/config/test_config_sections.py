@@ -39,6 +39,10 @@ def test_served_name(path: str | None, served: str | None, expected: str) -> Non
         ),
         (lambda: ModelConfig(path=""), r"^path='' is invalid"),
         (
+            lambda: ModelConfig(huge_pages="yes"),  # type: ignore[arg-type]
+            r"^huge_pages='yes' is invalid: expected true or false$",
+        ),
+        (
             lambda: HardwareConfig(threads=0),
             r"^threads=0 is invalid: expected an integer >= 1 or None$",
         ),

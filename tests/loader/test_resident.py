@@ -245,3 +245,31 @@ def test_an_engine_serves_the_same_tokens_before_and_after_the_move(
     assert resident.is_resident(head) and _vma_of(head.data_ptr())["path"] == ""
     assert during == mapped
     assert tokens(llm) == mapped
+
+
+def test_huge_pages_off_keeps_every_matrix_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model.huge_pages false: nothing is set aside to move, so every block tensor stays a view
+    of the file's mapping (shared with other processes), and the tokens are the same."""
+    from tidal import LLM, SamplingParams
+
+    path = tmp_path / "tiny-q.gguf"
+    write_tiny_quantized_gemma(path)
+    monkeypatch.setattr(resident, "RESIDENT_MIN_BYTES", 0)
+    monkeypatch.setattr(resident, "huge_pages_available", lambda: True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kwargs = dict(kv_cache_bytes=4 << 20, block_size=8, threads=1)
+    off = LLM(str(path), huge_pages=False, **kwargs)
+    on = LLM(str(path), **kwargs)
+    promote_resident()
+    head_off = off.engine.loaded.model.lm_head.parts[0].blocks
+    head_on = on.engine.loaded.model.lm_head.parts[0].blocks
+    assert _vma_of(head_off.data_ptr())["path"] == str(path)
+    assert not resident.is_resident(head_off)
+    assert _vma_of(head_on.data_ptr())["path"] == ""
+    out = [
+        llm.generate(prompt_token_ids=[[1, 5, 9, 22]], sampling_params=params)[0]
+        for llm in (off, on)
+    ]
+    assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids

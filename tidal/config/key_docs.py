@@ -56,6 +56,12 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "float and re-quantized modes: save a GGUF's dequantized weights beside it, so a "
         "restart memory-maps them (~4 bytes per parameter in float32)"
     ),
+    "model.huge_pages": KeyDoc(
+        "GGUF blocks on CPU: move a matrix of 32 MiB or more (the LM head) into transparent huge "
+        "pages once the engine is ready (faster decode; the copy is the process's own); false: "
+        "keep it mapped from the file, shared with other processes on the same file",
+        "--huge-pages",
+    ),
     # ---- batching
     "batching.enabled": KeyDoc(
         "continuous batching; false: one sequence at a time (forces max_num_seqs to 1)",

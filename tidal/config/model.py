@@ -31,6 +31,10 @@ class ModelConfig:
     # Save a GGUF's dequantized weights beside it (~4 bytes per parameter in float32: ~1.1 GB for
     # the bundled 270M model) so a restarted engine memory-maps them instead of dequantizing.
     weight_cache: bool = True
+    # GGUF blocks on a CPU: a matrix of 32 MiB or more (the LM head) moves into transparent huge
+    # pages once the engine is ready (tidal/loader/resident.py): faster decode, but the pages are
+    # the process's own, where the file's mapping is shared by every process on the same file.
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:
         check(
@@ -56,6 +60,12 @@ class ModelConfig:
             isinstance(self.weight_cache, bool),
             "weight_cache",
             self.weight_cache,
+            "true or false",
+        )
+        check(
+            isinstance(self.huge_pages, bool),
+            "huge_pages",
+            self.huge_pages,
             "true or false",
         )
         check(

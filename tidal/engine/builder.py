@@ -135,6 +135,7 @@ def build_engine(
                     device,
                     weight_cache=config.model.weight_cache,
                     gguf_blocks=scheme in NATIVE_SCHEMES,
+                    huge_pages=config.model.huge_pages,
                 )
             tokenizer = tokenizer_future.result()
         if group is not None:
@@ -196,6 +197,7 @@ def _start_group(
         master_port=0,
         threads=threads_per_rank(hw.threads, hw.tensor_parallel),
         collective_timeout_s=float(hw.collective_timeout_s),
+        huge_pages=config.model.huge_pages,
     )
     if hw.distributed_executor_backend == "ray":
         from tidal.executor.ray_group import RayGroup

@@ -45,6 +45,7 @@ class RankSpec:
     # End a local worker when the thread that started it ends (PR_SET_PDEATHSIG); only set when
     # that thread is the main thread, which lives as long as the process.
     die_with_parent_thread: bool = False
+    huge_pages: bool = True  # model.huge_pages: a GGUF's largest matrices in huge pages
 
     def for_rank(self, rank: int) -> RankSpec:
         from dataclasses import replace
@@ -106,6 +107,7 @@ def load_rank(spec: RankSpec, groups: Groups) -> LoadedModel:
         weight_cache=False,
         gguf_blocks=spec.scheme in NATIVE_SCHEMES,
         tensor_parallel=(spec.rank, spec.world_size),
+        huge_pages=spec.huge_pages,
     )
     if spec.scheme not in ("none", "gguf"):
         quantize_model(loaded.model, spec.scheme)

@@ -130,12 +130,15 @@ def load_model(
     weight_cache: bool = True,
     gguf_blocks: bool = False,
     tensor_parallel: tuple[int, int] | None = None,
+    huge_pages: bool = True,
 ) -> LoadedModel:
     """Build the model on the meta device and assign the checkpoint's tensors, so peak memory stays
     near one copy of the weights.
 
     With `gguf_blocks` a GGUF's quantized matrices stay in the file's blocks (memory-mapped) and
-    run through tidal.quant.gguf_blocks; only the small float tensors (norms) are decoded.
+    run through tidal.quant.gguf_blocks; only the small float tensors (norms) are decoded. With
+    `huge_pages` too, the largest of them are mapped so that tidal.loader.resident can move them
+    into huge pages later (promote_resident; build_engine starts it).
     Otherwise, with `weight_cache`, a GGUF's tensors, once dequantized and renamed, are saved
     beside it (tidal.loader.weight_cache) and later loads memory-map that file instead of
     dequantizing; the tensors are bit-identical either way.
@@ -162,7 +165,7 @@ def load_model(
             _shard_vocabulary(model, shard)
     if gguf_blocks:
         assert gguf_arch is not None  # a file, checked above
-        state = _load_gguf_blocks(model, p, arch, gguf_arch, dtype, shard)
+        state = _load_gguf_blocks(model, p, arch, gguf_arch, dtype, shard, huge_pages)
         return _finish(
             model, local, p, dtype, device, state, freq_factors, start, "GGUF blocks", shard
         )
@@ -252,6 +255,7 @@ def _load_gguf_blocks(
     gguf_arch: str,
     dtype: torch.dtype,
     shard: ShardPlan | None = None,
+    huge_pages: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Swap every linear and embedding whose GGUF tensor has a kernel-readable block type for a
     module over the file's blocks; returns the remaining (float) tensors for load_state_dict."""
@@ -267,7 +271,8 @@ def _load_gguf_blocks(
     expected = dict(model.state_dict(keep_vars=True))
     state: dict[str, torch.Tensor] = {}
     blocks = {}
-    for name, tensor in iter_gguf_weights(p, arch, gguf_arch, keep_blocks=swappable):
+    weights = iter_gguf_weights(p, arch, gguf_arch, keep_blocks=swappable, huge_pages=huge_pages)
+    for name, tensor in weights:
         if name not in expected:
             continue
         part = None if shard is None else shard.slice_of(name)

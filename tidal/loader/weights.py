@@ -103,14 +103,19 @@ def unpermute_qk(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def iter_gguf_weights(
-    path: Path, arch: ArchConfig, gguf_arch: str, keep_blocks: Callable[[str], bool] | None = None
+    path: Path,
+    arch: ArchConfig,
+    gguf_arch: str,
+    keep_blocks: Callable[[str], bool] | None = None,
+    huge_pages: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor | BlockWeight]]:
     """Yield (HF name, float32 tensor) for every tensor of a GGUF file, in HF conventions.
 
     Where `keep_blocks(hf_name)` is true and tidal's kernels read the tensor's block type, the
     tensor comes as a BlockWeight over the file's own bytes instead (memory-mapped, not copied,
     except Llama's Q/K rows, which are reordered; tensors of RESIDENT_MIN_BYTES and more are
-    mapped where tidal/loader/resident.py can later move them into huge pages)."""
+    mapped where tidal/loader/resident.py can later move them into huge pages, unless
+    `huge_pages` is false)."""
     from tidal.kernels.gguf_gemm import SUPPORTED_TYPES, BlockWeight
     from tidal.loader.gguf_file import GGUFFile
     from tidal.loader.resident import map_resident, wants_resident
@@ -136,7 +141,7 @@ def iter_gguf_weights(
                 and keep_blocks(hf)
             ):
                 rows, cols = info.shape
-                if wants_resident(info.nbytes) and not permuted:  # huge pages (resident.py)
+                if huge_pages and wants_resident(info.nbytes) and not permuted:  # resident.py
                     blocks = map_resident(path, info.offset, info.nbytes).view(rows, -1)
                 else:
                     blocks = torch.from_numpy(f.raw(name)).view(rows, -1)  # (rows, row_bytes)
