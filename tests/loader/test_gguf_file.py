@@ -154,6 +154,44 @@ def test_custom_alignment(tmp_path: Path) -> None:
         assert torch.equal(ours.load_tensor("vec"), torch.from_numpy(written["vec"]))
 
 
+def test_a_tensors_only_open_reuses_the_parsed_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """metadata=False after a full open of the same file parses nothing (the engine's second
+    open, for the tensors); a changed file, or a file never opened, is parsed."""
+    from tidal.loader import gguf_file
+
+    path = tmp_path / "tiny.gguf"
+    written = _write_tiny(path)
+    with GGUFFile(path) as full:
+        tensors, offset = dict(full.tensors), full.data_offset
+
+    def no_parse(*args: object) -> None:
+        raise AssertionError("the header was parsed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_file._Cursor, "u64", no_parse)
+        with GGUFFile(path, metadata=False) as ours:
+            assert ours.tensors == tensors and ours.data_offset == offset
+            assert torch.equal(ours.load_tensor("vec"), torch.from_numpy(written["vec"]))
+            with pytest.raises(RuntimeError, match="metadata=False"):
+                ours.get("t.u8")
+            with pytest.raises(RuntimeError, match="metadata=False"):
+                ours.architecture()
+    # Rewritten with other contents (another size and mtime): parsed again, the new tensors.
+    other = tmp_path / "other.gguf"
+    rewritten = _write_tiny(other, alignment=64)
+    other.replace(path)
+    with GGUFFile(path, metadata=False) as ours:
+        assert ours.tensors != tensors  # the header grew by general.alignment: new offsets
+        assert ours.tensors["vec"].offset % 64 == 0
+        assert torch.equal(ours.load_tensor("vec"), torch.from_numpy(rewritten["vec"]))
+    fresh = tmp_path / "fresh.gguf"
+    _write_tiny(fresh)
+    with GGUFFile(fresh, metadata=False) as ours:  # never opened: a full parse
+        assert ours.get("t.u8") == 250
+
+
 def test_raw_view_survives_close(tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
     _write_tiny(path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import os
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -194,21 +195,60 @@ def _decode(raw: memoryview) -> str:
         return data.decode("utf-8", errors="surrogateescape")
 
 
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    """Where a file's tensors are: what a reader of tensor bytes needs, without the metadata."""
+
+    version: int
+    tensors: dict[str, GGUFTensorInfo]  # never modified (GGUFFile copies it)
+    data_offset: int
+
+
+# NOTE: a per-process memo of the last few files' layouts, by file identity (path, size, mtime,
+# inode, device). Parsing a header costs ~0.1 s for a 262k-token vocabulary; an engine reads
+# the header for its architecture (memoized in model_loader) and then opens the file again for
+# the tensors alone, so that second open, with metadata=False, parses nothing. A layout is
+# small (a few hundred tensor infos); the metadata it omits is what would be large.
+_LAYOUTS: OrderedDict[tuple[str, int, int, int, int], _Layout] = OrderedDict()
+_LAYOUTS_KEPT = 4
+
+
+class _Unread(dict):
+    """The metadata of a GGUFFile opened with metadata=False: any read is a mistake."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> Any:
+        raise RuntimeError("this GGUFFile was opened with metadata=False; its metadata is unread")
+
+    __getitem__ = get = __contains__ = keys = values = items = __iter__ = __len__ = _refuse
+
+
 class GGUFFile:
     """An open GGUF file: parsed metadata and tensor infos, tensor bytes read lazily via mmap.
 
     The mapping is copy-on-write: arrays from `raw()` are writable views, and writes to
     them never reach the file. Views stay valid after `close()` (they keep the mapping alive).
+
+    `metadata=False`: the caller reads tensors only; where this process has parsed the same file
+    before (same size, mtime and inode), the header is not parsed again and `metadata` refuses
+    reads.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, metadata: bool = True) -> None:
         self.path = Path(path)
-        file_bytes = self.path.stat().st_size
+        st = self.path.stat()
+        file_bytes = st.st_size
         if file_bytes < 24:
             raise ValueError(
                 f"{self.path}: not a GGUF file: {file_bytes} bytes is shorter than the 24-byte header"
             )
+        identity = (str(self.path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
         self._data: np.ndarray | None = np.memmap(self.path, dtype=np.uint8, mode="c")
+        layout = None if metadata else _LAYOUTS.get(identity)
+        if layout is not None:
+            self.version, self.data_offset = layout.version, layout.data_offset
+            self.tensors: dict[str, GGUFTensorInfo] = dict(layout.tensors)
+            self.metadata: dict[str, Any] = _Unread()
+            return
         cursor = _Cursor(memoryview(self._data), self.path)
         magic = bytes(self._data[:4])
         if magic != GGUF_MAGIC:
@@ -226,7 +266,7 @@ class GGUFFile:
         num_tensors = cursor.u64("tensor count")
         num_kv = cursor.u64("metadata count")
 
-        self.metadata: dict[str, Any] = {}
+        self.metadata = {}
         for _ in range(num_kv):
             key = cursor.string("metadata key")
             vtype = cursor.u32(f"type of metadata {key!r}")
@@ -257,7 +297,7 @@ class GGUFFile:
             )
 
         data_start = -(-cursor.pos // alignment) * alignment
-        self.tensors: dict[str, GGUFTensorInfo] = {}
+        self.tensors = {}
         for name, ggml_type, shape, rel_offset, nbytes in pending:
             offset = data_start + rel_offset
             if offset + nbytes > file_bytes:
@@ -267,6 +307,10 @@ class GGUFFile:
                 )
             self.tensors[name] = GGUFTensorInfo(name, ggml_type, shape, offset, nbytes)
         self.data_offset = data_start
+        _LAYOUTS[identity] = _Layout(self.version, dict(self.tensors), data_start)
+        _LAYOUTS.move_to_end(identity)
+        while len(_LAYOUTS) > _LAYOUTS_KEPT:
+            _LAYOUTS.popitem(last=False)
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

@@ -120,7 +120,7 @@ def iter_gguf_weights(
     from tidal.loader.gguf_file import GGUFFile
     from tidal.loader.resident import map_resident, wants_resident
 
-    with GGUFFile(path) as f:
+    with GGUFFile(path, metadata=False) as f:  # the header was parsed for the arch already
         for name, info in f.tensors.items():
             if name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
                 kv_b = _joined_kv_b(f, name, arch)
