@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tidal.loader.gguf_file import GGUFFile
+from tidal.loader.gguf_file import CountedStrings, GGUFFile
 from tidal.quant.gguf_types import GGMLType
 
 BUNDLED_CACHE_PATH = Path("/root/.cache/tidal/gemma-3-270m-q4_k_m.gguf")
@@ -235,6 +235,38 @@ def test_truncated(tmp_path: Path) -> None:
         path.write_bytes(full[:cut])
         with pytest.raises(ValueError, match=r"tiny\.gguf: truncated GGUF file"):
             GGUFFile(path)
+        with pytest.raises(ValueError, match=r"tiny\.gguf: truncated GGUF file"):
+            GGUFFile(path, count_strings_over=2)  # stepping over the strings checks too
+
+
+def test_long_string_arrays_can_be_counted_not_decoded(tmp_path: Path) -> None:
+    """count_strings_over=N: longer string arrays become their length; everything after them
+    (other keys, the tensors) reads the same as a full parse."""
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path)
+    with GGUFFile(path) as full, GGUFFile(path, count_strings_over=3) as counted:
+        assert isinstance(counted.get("t.strs"), CountedStrings)
+        assert len(counted.get("t.strs")) == len(full.get("t.strs")) == 4
+        assert counted.get("t.long_strs").count == len(full.get("t.long_strs"))
+        rest = {k: v for k, v in full.metadata.items() if k not in ("t.strs", "t.long_strs")}
+        for key, value in rest.items():
+            np.testing.assert_equal(counted.get(key), value, err_msg=key)  # nested arrays too
+        assert counted.tensors == full.tensors and counted.data_offset == full.data_offset
+    with GGUFFile(path, count_strings_over=4) as f:
+        assert f.get("t.strs") == ["a", "", "▁b", "<0x0A>"]  # not over the limit: decoded
+
+
+def test_bundled_architecture_from_counted_strings() -> None:
+    """The engine reads the architecture with the vocabulary counted, not decoded: the same
+    ArchConfig as from the full metadata."""
+    from tidal.config.arch import arch_from_gguf
+    from tidal.loader.gguf_file import ARCH_STRINGS_DECODED
+
+    path = bundled_gguf_path()
+    with GGUFFile(path) as full, GGUFFile(path, count_strings_over=ARCH_STRINGS_DECODED) as f:
+        assert len(f.get("tokenizer.ggml.tokens")) == 262144
+        has_output = "output.weight" in f.tensors
+        assert arch_from_gguf(f.metadata, has_output) == arch_from_gguf(full.metadata, has_output)
 
 
 def test_bundled_metadata() -> None:

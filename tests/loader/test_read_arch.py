@@ -23,9 +23,9 @@ def test_the_header_is_parsed_once_until_the_file_changes(
     real = gguf_file.GGUFFile
 
     class CountingGGUFFile(real):  # the real reader, counting its opens
-        def __init__(self, p: str | os.PathLike[str]) -> None:
+        def __init__(self, p: str | os.PathLike[str], **kwargs: object) -> None:
             opened.append(str(p))
-            super().__init__(p)
+            super().__init__(p, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(gguf_file, "GGUFFile", CountingGGUFFile)
     model_loader._read_gguf_header.cache_clear()

@@ -24,7 +24,7 @@ def read_arch_config(path: str | Path) -> ArchConfig:
         return arch_from_hf(json.loads(config.read_text()))
     if not p.exists():
         raise ValueError(f"model path {str(p)!r} does not exist")
-    from tidal.loader.gguf_file import GGUFFile
+    from tidal.loader.gguf_file import ARCH_STRINGS_DECODED, GGUFFile
 
-    with GGUFFile(str(p)) as f:
+    with GGUFFile(str(p), count_strings_over=ARCH_STRINGS_DECODED) as f:
         return arch_from_gguf(f.metadata, "output.weight" in f.tensors)

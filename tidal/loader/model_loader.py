@@ -64,9 +64,10 @@ def _read_header(p: Path) -> tuple[ArchConfig, str | None, torch.Tensor | None]:
 def _read_gguf_header(
     path: str, size_bytes: int, mtime_ns: int, inode: int
 ) -> tuple[ArchConfig, str | None, torch.Tensor | None]:
-    from tidal.loader.gguf_file import GGUFFile
+    from tidal.loader.gguf_file import ARCH_STRINGS_DECODED, GGUFFile
 
-    with GGUFFile(path) as f:
+    # The vocabulary's size is all arch_from_gguf reads of its strings: counted, not decoded.
+    with GGUFFile(path, count_strings_over=ARCH_STRINGS_DECODED) as f:
         arch = arch_from_gguf(f.metadata, "output.weight" in f.tensors)
         freqs = f.load_tensor("rope_freqs.weight") if "rope_freqs.weight" in f.tensors else None
         return arch, f.architecture(), freqs
