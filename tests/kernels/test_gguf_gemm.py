@@ -178,11 +178,17 @@ def test_scalar_agrees_with_simd(t: Q, act: str) -> None:
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_q8_paths_give_the_same_bits(t: Q) -> None:
     """q8 on the SIMD paths: one or two rows of x meet the weights in place, more go through
-    panels of eight weight rows, 16 runs and 64 rows of x at a time. Shapes past every one of
-    those bounds (N 21: two groups and a part; 41 runs of 32 or 5 super-blocks: three slabs;
-    M 130: three passes of rows) give the portable C's bits on each path, whatever the batch
-    and the thread count."""
-    n, k = 21, _k_of(t, 41, 5)
+    panels of eight weight rows (side by side in pairs on AVX-512), 16 runs and 64 (AVX-512:
+    128) rows of x at a time. Shapes past every one of those bounds (N 45: two pairs of groups
+    and a pair of 8 + 5 rows, and N 21: a pair and a lone part; 41 runs of 32 or 5
+    super-blocks: three slabs; M 130: three or two passes of rows) give the portable C's bits
+    on each path, whatever the batch and the thread count."""
+    for n in (45, 21):
+        _q8_paths_same_bits(t, n)
+
+
+def _q8_paths_same_bits(t: Q, n: int) -> None:
+    k = _k_of(t, 41, 5)
     w = weight(t, n, k, seed=13, random_bytes=True)
     torch.manual_seed(13)
     x = torch.randn(130, k)

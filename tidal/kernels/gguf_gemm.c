@@ -39,7 +39,8 @@
  *   95.3% against 97.3%; docs/quantization.md). On AVX2 the integer sums run on maddubs/madd,
  *   eight outputs at a time, one per lane (q8_group_avx2): no int16 saturation (the sign trick
  *   for the signed types, unsigned codes below 64 otherwise). AVX-512 runs the same kernels with
- *   VNNI's vpdpbusd in place of maddubs/madd (int32 sums, one instruction per four codes).
+ *   VNNI's vpdpbusd in place of maddubs/madd (int32 sums, one instruction per four codes), and
+ *   past two rows of x two groups' panels side by side in 512-bit vectors (q8_group16).
  * Batch invariance (the contract): every y[m, n] is computed by the same sequence of float
  * operations whatever M is, wherever row m falls in a tile of MT rows, and whatever the thread
  * count: a tile runs each of its rows through identical per-row code, a row's quantization
@@ -55,8 +56,8 @@
  * ISA_SCALAR (plain C; f32 sums in another order, q8 gives the same bits). Each is a table in
  * pick(); an entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up
  * in a table of their block's float weights (one permute per 16 codes, see b32_weights512); q8 is
- * AVX2's kernels with vpdpbusd (dpbusd()); the activations' quantization and the dequantization
- * are AVX2's. */
+ * AVX2's kernels with vpdpbusd (dpbusd()), sixteen outputs a vector past two rows of x
+ * (q8_group16); the activations' quantization and the dequantization are AVX2's. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -1097,10 +1098,11 @@ static void quant_x_avx2(const float *x, int64_t K, uint8_t *dst) {
 
 #ifdef HAVE_AVX512
 /* ---- AVX-512 (F, BW, VL) + VNNI, on top of the AVX2 helpers ----
- * Zen 4 runs a 512-bit op as two 256-bit halves: the gain is in fewer instructions, not wider
- * FLOPs. f32: the 4- and 5-bit codes index a table of their block's 16 (32) float weights, one
- * permute per 16 codes where AVX2 widens, converts and scales. q8 runs AVX2's kernels here with
- * vpdpbusd (q8_group_avx2(vnni = 1): the same integers, so the same bits on every path). */
+ * Zen 4 runs a 512-bit op as two 256-bit halves (the gain there is in fewer instructions), Zen 5
+ * and the Xeons at full width. f32: the 4- and 5-bit codes index a table of their block's 16
+ * (32) float weights, one permute per 16 codes where AVX2 widens, converts and scales. q8 runs
+ * AVX2's kernels here with vpdpbusd (q8_group_avx2(vnni = 1): the same integers, so the same
+ * bits on every path), and past QD rows of x sixteen outputs a vector (q8_group16). */
 
 static inline float hsum16(__m512 v) {
     __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
@@ -1287,6 +1289,163 @@ ALWAYS void k_f32_avx512(int type, const uint8_t *w, int64_t nb, const uint8_t *
         if (mt - r == 1) k_f32_rows512(type, blk, &k, wf, wm, x + r * ldx, ldx, b, 1, acc + r);
     }
     EACH_ROW(i) out[i] = hsum16(acc[i]);
+}
+
+/* ---- q8 with VNNI, sixteen outputs per vector (prompts and batches: M > QD) ----
+ * Two groups' panels (b32_panel / k_panel, eight lanes each) sit side by side in one 512-bit
+ * vector, so each broadcast of x's codes, each vpdpbusd and each epilogue op serves sixteen
+ * outputs where q8_rows spends two of each. Every lane runs q8_rows' integer and float steps in
+ * the same order, so the bits are q8_group's (and the scalar kernels'). */
+#define QG2 (2 * QG) /* weight rows per pair of groups: one per lane of a 512-bit vector */
+
+typedef struct {
+    __m512i u[8];      /* lanes 0-7: the first group's panel vector, 8-15: the second's */
+    __m512i sc[2], mn; /* K-quants: as qrun's (int32 scales) */
+    __m512 d, dm;
+} qrun2;
+
+/* the eight-lane panel P (nr runs) into half h (0: lanes 0-7, 1: lanes 8-15) of P2 */
+ALWAYS void panel_half(int type, const qrun *P, int64_t nr, int h, qrun2 *P2) {
+    const int kq = runs32(type) == 0;
+    for (int64_t r = 0; r < nr; r++) {
+        const qrun *p = P + r;
+        qrun2 *q = P2 + r;
+        for (int g = 0; g < 8; g++) _mm256_store_si256((__m256i *)&q->u[g] + h, p->u[g]);
+        _mm256_store_ps((float *)&q->d + 8 * h, p->d);
+        if (kq) {
+            _mm256_store_si256((__m256i *)&q->sc[0] + h, p->sc[0]);
+            _mm256_store_si256((__m256i *)&q->sc[1] + h, p->sc[1]);
+            _mm256_store_si256((__m256i *)&q->mn + h, p->mn);
+            _mm256_store_ps((float *)&q->dm + 8 * h, p->dm);
+        }
+    }
+}
+
+/* q8_scale_run, sixteen lanes */
+ALWAYS __m512 q8_scale_run16(int type, int off, __m512i s, const uint8_t *xr, __m512 d, __m512 dm,
+                             __m512i mn, __m512 a) {
+    float dxs;
+    memcpy(&dxs, xr, 4);
+    __m512 dx = _mm512_set1_ps(dxs);
+    __m512i bsum = _mm512_set1_epi32(load_i32(xr + 4));
+    if (off) s = _mm512_sub_epi32(s, _mm512_madd_epi16(bsum, _mm512_set1_epi16((short)off)));
+    a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, dx), a);
+    if (runs32(type) == 0) {
+        __m512i smin = _mm512_madd_epi16(mn, bsum);
+        a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(smin), _mm512_mul_ps(dm, dx), a);
+    }
+    return a;
+}
+
+/* q8_rows' VNNI branch, sixteen lanes: R (<= QR) rows of x against the slab's nr runs */
+#define XQ16(i, g) _mm512_set1_epi32(load_i32(x + (i) * ldx + X32_Q + 4 * (g)))
+ALWAYS void q8_rows16(int type, const qrun2 *P, int64_t nr, const uint8_t *x, int64_t ldx, int R,
+                      __m512 *acc) {
+    const int kq = runs32(type) == 0, off = q8_offset(type, 1);
+    const __m512i zero = _mm512_setzero_si512();
+#define LOAD_A(i) __m512 a##i = R > i ? acc[i] : _mm512_setzero_ps();
+    ROWS(LOAD_A)
+    for (int64_t r = 0; r < nr; r++, x += X32_BYTES) {
+        const qrun2 *p = P + r;
+        __m512i s0 = zero, s1 = zero, s2 = zero, s3 = zero, s4 = zero, s5 = zero, s6 = zero, s7 = zero;
+        __m512i t0 = zero, t1 = zero, t2 = zero, t3 = zero, t4 = zero, t5 = zero, t6 = zero, t7 = zero;
+        for (int g = 0; g < 4; g++) {
+            __m512i u = _mm512_load_si512(&p->u[g]), v = _mm512_load_si512(&p->u[g + 4]);
+#define S_VNNI(i)                                                                             \
+    if (R > i) {                                                                              \
+        s##i = _mm512_dpbusd_epi32(s##i, u, XQ16(i, g));                                      \
+        t##i = _mm512_dpbusd_epi32(t##i, v, XQ16(i, g + 4));                                  \
+    }
+            ROWS(S_VNNI)
+        }
+#define S_JOIN(i)                                                                             \
+    if (R > i)                                                                                \
+        s##i = kq ? _mm512_add_epi32(_mm512_mullo_epi32(s##i, p->sc[0]),                      \
+                                     _mm512_mullo_epi32(t##i, p->sc[1]))                       \
+                  : _mm512_add_epi32(s##i, t##i);
+        ROWS(S_JOIN)
+#define EPILOGUE(i)                                                                           \
+    if (R > i) a##i = q8_scale_run16(type, off, s##i, x + i * ldx, p->d, p->dm, p->mn, a##i);
+        ROWS(EPILOGUE)
+    }
+#define STORE_A(i) if (R > i) acc[i] = a##i;
+    ROWS(STORE_A)
+#undef LOAD_A
+#undef S_VNNI
+#undef S_JOIN
+#undef EPILOGUE
+#undef STORE_A
+}
+#undef XQ16
+
+/* q8_group for nc (<= QG2) weight rows, sixteen lanes: each slab's two eight-row panels are built
+ * as q8_group builds them, then side by side (panel_half); a group of up to QG rows runs
+ * q8_group itself. M > QD (q8_direct's rows take eight lanes). */
+ALWAYS void q8_group16(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+                       const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M, float *y,
+                       int64_t ldy) {
+    if (nc <= QG || M <= QD) {
+        for (int n = 0; n < nc; n += QG) {
+            const uint8_t *nx = n + QG < nc ? w + (n + QG) * rb : next;
+            q8_group(type, 1, w + n * rb, rb, nc - n < QG ? nc - n : QG, nb, nx, x, ldx, M,
+                     y + n, ldy);
+        }
+        return;
+    }
+    const int kq = runs32(type) == 0;
+    const int64_t runs = kq ? 8 * nb : nb * runs32(type);
+    _Alignas(64) qrun P[QSLAB];
+    _Alignas(64) qrun2 P2[QSLAB];
+    _Alignas(64) float acc[QM][QG2];
+    for (int64_t m0 = 0; m0 < M; m0 += QM) {
+        int64_t mq = M - m0 < QM ? M - m0 : QM;
+        for (int64_t i = 0; i < mq; i++) _mm512_store_ps(acc[i], _mm512_setzero_ps());
+        for (int64_t r0 = 0; r0 < runs; r0 += QSLAB) {
+            int64_t r1 = r0 + QSLAB < runs ? r0 + QSLAB : runs;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *wh = w + h * QG * rb;
+                const uint8_t *pf = m0 == 0 && next ? next + h * QG * rb : NULL;
+                int nch = h ? nc - QG : QG;
+                if (kq) k_panel(type, 1, wh, rb, nch, r0 / 8, r1 / 8, nb, pf, P);
+                else b32_panel(type, 1, wh, rb, nch, r0, r1, runs, pf, P);
+                panel_half(type, P, r1 - r0, h, P2);
+            }
+            const uint8_t *xs = x + m0 * ldx + r0 * X32_BYTES;
+            for (int64_t i = 0; i < mq; i += QR) {
+                __m512 a[QR];
+                int R = (int)(mq - i < QR ? mq - i : QR);
+                for (int t = 0; t < R; t++) a[t] = _mm512_load_ps(acc[i + t]);
+                switch (R) { /* constant tile heights: the row loops unroll */
+                case 8: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 8, a); break;
+                case 7: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 7, a); break;
+                case 6: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 6, a); break;
+                case 5: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 5, a); break;
+                case 4: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 4, a); break;
+                case 3: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 3, a); break;
+                case 2: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 2, a); break;
+                default: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 1, a); break;
+                }
+                for (int t = 0; t < R; t++) _mm512_store_ps(acc[i + t], a[t]);
+            }
+        }
+        for (int64_t i = 0; i < mq; i++) {
+            float *yr = y + (m0 + i) * ldy;
+            if (nc == QG2) _mm512_storeu_ps(yr, _mm512_load_ps(acc[i]));
+            else memcpy(yr, acc[i], sizeof(float) * (size_t)nc);
+        }
+    }
+}
+
+/* q8 on AVX-512 VNNI for up to QG2 weight rows: one specialization per type */
+static void q8_group16_avx512(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+                              const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M,
+                              float *y, int64_t ldy) {
+#define Q8G(t) case t: q8_group16(t, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
+    switch (type) {
+    Q8G(T_Q8_0) Q8G(T_Q4_0) Q8G(T_Q5_0) Q8G(T_IQ4_NL) Q8G(T_IQ4_XS) Q8G(T_Q4_K) Q8G(T_Q5_K)
+    default: q8_group16(T_Q6_K, w, rb, nc, nb, next, x, ldx, M, y, ldy); break;
+    }
+#undef Q8G
 }
 
 #endif /* HAVE_AVX512 */
@@ -1495,6 +1654,17 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             int64_t lo = cc * CHUNK, hi = lo + CHUNK < g->n ? lo + CHUNK : g->n;
 #ifdef HAVE_AVX2
             if (grouped) {
+#ifdef HAVE_AVX512
+                if (isa == ISA_AVX512) { /* sixteen outputs a vector (eight for M <= QD) */
+                    for (int64_t n = lo; n < hi; n += QG2) {
+                        const uint8_t *next = n + QG2 < g->n ? g->w + (n + QG2) * g->rb : NULL;
+                        q8_group16_avx512(g->type, g->w + n * g->rb, g->rb,
+                                          (int)(hi - n < QG2 ? hi - n : QG2), g->nb, next, xq,
+                                          r32, M, y + g->col0 + n, ldy);
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t n = lo; n < hi; n += QG) {
                     const uint8_t *next = n + QG < g->n ? g->w + (n + QG) * g->rb : NULL;
                     q8_group_avx2(isa == ISA_AVX512, g->type, g->w + n * g->rb, g->rb,
