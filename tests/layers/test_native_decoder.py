@@ -152,6 +152,40 @@ def test_iq4_matrices_take_the_stack_bit_for_bit(tmp_path, act, isa):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_a_chunk_longer_than_the_mlp_row_block_is_bit_for_bit(tiny_models, isa):
+    """The stack's MLP takes a step's rows 128 at a time (decoder.c MLP_ROWS): a 600-token
+    chunk, then a mixed step, give the per-layer path's outputs and pages bit for bit."""
+    loaded = tiny_models["gemma3"]
+    model = loaded.model
+    set_activations(model, "q8")
+    model.model.native.reset()
+    prompt = [(13 * i) % 60 + 1 for i in range(600)]
+    steps = [([prompt[:590], [3, 4]], [0, 0], [0, 1]), ([prompt[590:], [5]], [590, 2], [0, 1])]
+
+    def run(native: bool):
+        batch = PagedBatch(model, loaded.arch, max_len=640, num_seqs=2)
+        model.model.native.enabled = native
+        before = model.model.native.steps
+        try:
+            outs = [batch.step(*step) for step in steps]
+        finally:
+            model.model.native.enabled = True
+        return outs, _pages(batch.kv), model.model.native.steps - before
+
+    try:
+        ref, ref_pages, ran_ref = run(False)
+        ours, pages, ran = run(True)
+    finally:
+        set_activations(model, "f32")
+        model.model.native.reset()
+    assert ran_ref == 0 and ran == len(steps)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    for a, b in zip(pages, ref_pages):
+        assert torch.equal(a, b)
+
+
 def test_large_f32_prefill_takes_the_per_layer_path(tiny_models):
     """Above F32_KERNEL_MAX_ROWS tokens, "f32" mode multiplies decoded tiles with torch; the
     stack steps aside and the result is still the model's."""

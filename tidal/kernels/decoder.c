@@ -10,7 +10,7 @@
  *     o   = a @ Wo.T
  *     x  += rms_norm(o) * norm_attn_out   (Gemma)    or  x += o   (Llama)
  *     h   = rms_norm(x) * norm_ffn_in
- *     gu  = h @ Wgate_up.T
+ *     gu  = h @ Wgate_up.T                           (the MLP: MLP_ROWS rows at a time)
  *     m   = act(gate) * up                           silu (SwiGLU) or gelu-tanh (GeGLU)
  *     d   = m @ Wdown.T
  *     x  += rms_norm(d) * norm_ffn_out    (Gemma)    or  x += d
@@ -41,6 +41,12 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1 };
 enum { MAX_ROPES = 4, MAX_GROUPS = 16 };
 /* timing slots (seconds), accumulated when the caller passes an array */
 enum { TIME_GEMM = 0, TIME_ATTENTION = 1, TIME_NORM_ROPE = 2, TIME_ACT_ADD = 3, TIME_SLOTS = 4 };
+/* rows of a step the MLP takes at a time: its (rows, 3 x intermediate) floats of scratch stay
+ * small and cache-warm for long prompt chunks (24 MiB at 1,024 rows for Gemma 3 270M, 3 MiB at
+ * 128; a 6,000-token prompt's prefill 1.07-1.11x faster, a 1,024-token step's peak RSS ~17 MiB
+ * lower). Each row's result does not depend on the rows beside it (the gemm's and the
+ * activation's contract), so the bits are the whole step's. */
+#define MLP_ROWS 128
 
 int tidal_decoder_best_isa(void) { return TIDAL_AVX2 ? ISA_AVX2 : ISA_SCALAR; }
 
@@ -202,12 +208,14 @@ int tidal_decoder_run(const void *packed) {
     int64_t T = R.T, hid = R.hidden, H = R.H, KVH = R.KVH, D = R.D, I = R.inter;
     int64_t qdim = H * D, kvdim = KVH * D, wqkv = qdim + 2 * kvdim;
     if (T <= 0 || R.n_layers <= 0) return 0;
-    /* scratch: h (T, hid), qkv (T, wqkv), attn (T, qdim), o (T, hid), gu (T, 2I), m (T, I) */
-    int64_t per_row = hid + wqkv + qdim + hid + 2 * I + I;
-    float *scratch = malloc(sizeof(float) * (size_t)(T * per_row));
+    /* scratch: h (T, hid), qkv (T, wqkv), attn (T, qdim), o (T, hid), and for the MLP, which
+     * takes the rows MLP_ROWS at a time, gu (MLP_ROWS, 2I), m (MLP_ROWS, I) */
+    int64_t mr = T < MLP_ROWS ? T : MLP_ROWS;
+    int64_t per_row = hid + wqkv + qdim + hid;
+    float *scratch = malloc(sizeof(float) * (size_t)(T * per_row + mr * 3 * I));
     if (!scratch) return -11;
     float *h = scratch, *qkv = h + T * hid, *attn = qkv + T * wqkv, *o = attn + T * qdim;
-    float *gu = o + T * hid, *m = gu + T * 2 * I;
+    float *gu = o + T * hid, *m = gu + mr * 2 * I;
     int rc = 0;
     double t0 = R.times ? now() : 0.0;
     for (int64_t l = 0; l < R.n_layers && rc == 0; l++) {
@@ -243,16 +251,19 @@ int tidal_decoder_run(const void *packed) {
         tidal_add_rms_norm(R.x, T, hid, hid, o, hid, L->norm_attn_out, R.eps);
         tidal_rms_norm(R.x, T, hid, hid, L->norm_ffn_in, R.eps, h, hid);
         TICK(TIME_NORM_ROPE);
-        rc = tidal_gguf_gemm(h, T, hid, hid, L->gate_up, L->gate_up_nseg, gu, 2 * I, R.gemm_act,
-                             R.gemm_isa, R.nthreads);
+        for (int64_t r0 = 0; r0 < T && rc == 0; r0 += mr) {
+            int64_t n = T - r0 < mr ? T - r0 : mr;
+            rc = tidal_gguf_gemm(h + r0 * hid, n, hid, hid, L->gate_up, L->gate_up_nseg, gu,
+                                 2 * I, R.gemm_act, R.gemm_isa, R.nthreads);
+            if (rc) break;
+            TICK(TIME_GEMM);
+            tidal_gated_act(gu, n, I, 2 * I, R.act, m, I, R.isa);
+            TICK(TIME_ACT_ADD);
+            rc = tidal_gguf_gemm(m, n, I, I, L->down, L->down_nseg, o + r0 * hid, hid, R.gemm_act,
+                                 R.gemm_isa, R.nthreads);
+            TICK(TIME_GEMM);
+        }
         if (rc) break;
-        TICK(TIME_GEMM);
-        tidal_gated_act(gu, T, I, 2 * I, R.act, m, I, R.isa);
-        TICK(TIME_ACT_ADD);
-        rc = tidal_gguf_gemm(m, T, I, I, L->down, L->down_nseg, o, hid, R.gemm_act, R.gemm_isa,
-                             R.nthreads);
-        if (rc) break;
-        TICK(TIME_GEMM);
         tidal_add_rms_norm(R.x, T, hid, hid, o, hid, L->norm_ffn_out, R.eps);
         TICK(TIME_NORM_ROPE);
     }
