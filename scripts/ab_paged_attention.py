@@ -1,11 +1,12 @@
 """In-process A/B of two builds of the paged-attention kernel on Gemma 3 270M-shaped steps.
 
-    python scripts/ab_paged_attention.py [--base HEAD~1] [--kv f16|f32] [--reps 11]
+    python scripts/ab_paged_attention.py [--base HEAD~1] [--kv f16|f32] [--isa avx2|avx512] [--reps 11]
 
 Builds tidal/kernels/paged_attention.c as it is in the working tree and as it was at --base
 (git), with build.py's flags, loads both into this process and times them alternating on the
 same inputs: prompts of 1024 tokens (a global and a 512-token sliding layer), a 512-token chunk
-after 512 cached ones, and 32 decodes over 600 keys each. It first checks that both builds give
+after 512 cached ones, a 1024-token chunk after 4096 (a long prompt's later chunks), and 32
+decodes over 600 keys each, on --isa (default: this machine's best). It first checks that both builds give
 the same bits on every case. Separate processes on a shared host swing far more than the
 difference measured here; one process, alternating calls, best of --reps, does not.
 """
@@ -70,7 +71,7 @@ def make_case(prior: int, new: int, window: int | None, seqs: int, dtype: torch.
     return q, k, v, kp, vp, slots, tables, arrays, window
 
 
-def call(lib: ctypes.CDLL, case, kv_type: int) -> torch.Tensor:
+def call(lib: ctypes.CDLL, case, kv_type: int, isa: int) -> torch.Tensor:
     q, k, v, kp, vp, slots, tables, arrays, window = case
     # (each call writes the step's K/V into the same slots: the same bytes every time)
     out = torch.empty_like(q)
@@ -78,7 +79,7 @@ def call(lib: ctypes.CDLL, case, kv_type: int) -> torch.Tensor:
         q.data_ptr(), k.data_ptr(), v.data_ptr(), H * D, KVH * D, KVH * D, out.data_ptr(),
         q.shape[0], H, KVH, D, kp.data_ptr(), vp.data_ptr(), 0, 0, kv_type, BS,
         slots.data_ptr(), tables.data_ptr(), tables.shape[1], arrays.data_ptr(), arrays.shape[1],
-        window or 0, D**-0.5, 0.0, pa.ISA_AVX2, torch.get_num_threads(),
+        window or 0, D**-0.5, 0.0, isa, torch.get_num_threads(),
     )  # fmt: skip
     if lib.tidal_paged_attention(packed) != 0:
         raise MemoryError("paged_attention: scratch allocation failed")
@@ -89,10 +90,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--base", default="HEAD~1", help="git revision to compare the working tree with")
     p.add_argument("--kv", choices=("f16", "f32"), default="f16", help="page type")
+    p.add_argument("--isa", choices=("avx2", "avx512"), help="kernel path (default: the best here)")
     p.add_argument("--reps", type=int, default=11)
     args = p.parse_args()
-    if pa.ISA_AVX2 not in pa.isas():
-        sys.exit("this machine has no AVX2+FMA+F16C path to compare")
+    isa = {"avx2": pa.ISA_AVX2, "avx512": pa.ISA_AVX512}.get(args.isa, pa.default_isa())
+    if isa not in pa.isas() or isa == pa.ISA_SCALAR:
+        sys.exit(f"this machine has no {args.isa or 'AVX2+FMA+F16C'} path to compare")
     dtype, kv_type = (torch.float16, pa.KV_F16) if args.kv == "f16" else (torch.float32, pa.KV_F32)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,18 +107,22 @@ def main() -> None:
             "1024-token prompt, global": make_case(0, 1024, None, 1, dtype),
             "1024-token prompt, window 512": make_case(0, 1024, 512, 1, dtype),
             "512-token chunk after 512": make_case(512, 512, None, 1, dtype),
+            "1024-token chunk after 4096": make_case(4096, 1024, None, 1, dtype),
             "32 decodes over 600 keys": make_case(600, 1, None, 32, dtype),
         }
-        print(f"threads {torch.get_num_threads()}, {args.kv} pages, best of {args.reps} (ms)")
+        isa_name = {pa.ISA_AVX2: "avx2", pa.ISA_AVX512: "avx512"}[isa]
+        print(
+            f"threads {torch.get_num_threads()}, {args.kv} pages, {isa_name}, best of {args.reps} (ms)"
+        )
         print(f"| step | {' | '.join(libs)} | ratio |\n|---|---|---|---|")
         for name, case in cases.items():
-            outs = [call(lib, case, kv_type) for lib in libs.values()]
+            outs = [call(lib, case, kv_type, isa) for lib in libs.values()]
             same = torch.equal(outs[0], outs[1])
             best = {n: float("inf") for n in libs}
             for _ in range(args.reps):
                 for n, lib in libs.items():
                     t0 = time.perf_counter()
-                    call(lib, case, kv_type)
+                    call(lib, case, kv_type, isa)
                     best[n] = min(best[n], time.perf_counter() - t0)
             a, b = best.values()
             flag = "" if same else " (bits differ)"
