@@ -60,9 +60,11 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 #define KB 16   /* keys per chunk: one softmax update per row per chunk; a multiple of 8 */
 #ifndef NCH
-#define NCH 4
+#define NCH 2
 #endif
-/* AVX-512: chunks whose scores precede one p.v pass (run_segment512) */
+/* AVX-512: chunks whose scores precede one p.v pass (run_segment512). Their widened values
+ * (NCH x KB x D floats: 32 KiB for D = 256) stay in L1 beside the tile's scores; at 4 (64 KiB)
+ * prompts ran 1.04-1.07x slower with 64-row tiles on a Zen 5 */
 #define SEG 256 /* keys per segment, a multiple of KB: the unit a long decode is split into */
 #define ROWS 16 /* rows (query x head) a tile aims for */
 #ifndef ROWS512
