@@ -50,7 +50,8 @@
  * Work: ONE OpenMP region per call covers up to MAX_SEG matrices sharing K (fused q/k/v, gate/up,
  * whose types may differ). Chunks of CHUNK weight rows are split statically over the threads; in
  * a chunk, f32 passes each tile of up to MT rows of x once over each weight row while it is in
- * L1, and q8 on AVX2 takes the chunk's weight rows QG at a time (q8_group_avx2).
+ * L1, and q8 on AVX2 takes the chunk's weight rows QG at a time (q8_group_avx2), on AVX-512 all
+ * CHUNK = QG2 of them together (q8_group16_avx512).
  * Kernels: one function per (type, act, ISA), picked at run time by `isa`: ISA_AVX512 (compiled
  * where the build has AVX-512 F/BW/VL + VNNI besides AVX2's set), ISA_AVX2 (AVX2+FMA+F16C) or
  * ISA_SCALAR (plain C; f32 sums in another order, q8 gives the same bits). Each is a table in
