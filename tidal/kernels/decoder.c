@@ -15,9 +15,9 @@
  *     d   = m @ Wdown.T
  *     x  += rms_norm(d) * norm_ffn_out    (Gemma)    or  x += d
  *
- * Every operation is the function the per-op path runs (tidal/layers/*.py calls the same C
- * entry points, and tidal_gated_act below for the activation), in the same order, so both paths
- * give the same bits and a row's result stays independent of its batch.
+ * Every operation is the function the per-op path runs (the modules in tidal/layers/ call the
+ * same C entry points, and tidal_gated_act below for the activation), in the same order, so both
+ * paths give the same bits and a row's result stays independent of its batch.
  *
  * Built at first use by tidal/kernels/build.py with gguf_gemm.c, paged_attention.c and
  * norm_rope.c linked in (-O3 -march=native -fopenmp). */
