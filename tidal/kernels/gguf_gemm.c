@@ -833,6 +833,18 @@ ALWAYS __m256 q8_scale_run(int type, int off, __m256i s, const uint8_t *xr, __m2
  * 128 unsigned), one madd each. The rows' values are named (ROWS spells them out): GCC keeps
  * arrays of vectors in memory here. */
 #define ROWS(OP) OP(0) OP(1) OP(2) OP(3) OP(4) OP(5) OP(6) OP(7)
+/* CALL(h) with h the constant tile height n (1..8): each height's row loops unroll */
+#define BY_HEIGHT(n, CALL)                                                                    \
+    switch (n) {                                                                              \
+    case 8: CALL(8); break;                                                                   \
+    case 7: CALL(7); break;                                                                   \
+    case 6: CALL(6); break;                                                                   \
+    case 5: CALL(5); break;                                                                   \
+    case 4: CALL(4); break;                                                                   \
+    case 3: CALL(3); break;                                                                   \
+    case 2: CALL(2); break;                                                                   \
+    default: CALL(1); break;                                                                  \
+    }
 #define XQ(i, g) XB(x + (i) * ldx + X32_Q, g)
 ALWAYS void q8_rows(int type, int vnni, const qrun *P, int64_t nr, const uint8_t *x, int64_t ldx,
                     int R, __m256 *acc) {
@@ -1028,16 +1040,9 @@ ALWAYS void q8_group(int type, int vnni, const uint8_t *w, int64_t rb, int nc, i
                 __m256 a[QR];
                 int R = (int)(mq - i < qr ? mq - i : qr);
                 for (int t = 0; t < R; t++) a[t] = _mm256_load_ps(acc[i + t]);
-                switch (R) { /* constant tile heights: the row loops unroll */
-                case 8: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 8, a); break;
-                case 7: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 7, a); break;
-                case 6: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 6, a); break;
-                case 5: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 5, a); break;
-                case 4: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 4, a); break;
-                case 3: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 3, a); break;
-                case 2: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 2, a); break;
-                default: q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, 1, a); break;
-                }
+#define Q8_ROWS(h) q8_rows(type, vnni, P, r1 - r0, xs + i * ldx, ldx, h, a)
+                BY_HEIGHT(R, Q8_ROWS)
+#undef Q8_ROWS
                 for (int t = 0; t < R; t++) _mm256_store_ps(acc[i + t], a[t]);
             }
         }
@@ -1416,16 +1421,9 @@ ALWAYS void q8_group16(int type, const uint8_t *w, int64_t rb, int nc, int64_t n
                 __m512 a[QR];
                 int R = (int)(mq - i < QR ? mq - i : QR);
                 for (int t = 0; t < R; t++) a[t] = _mm512_load_ps(acc[i + t]);
-                switch (R) { /* constant tile heights: the row loops unroll */
-                case 8: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 8, a); break;
-                case 7: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 7, a); break;
-                case 6: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 6, a); break;
-                case 5: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 5, a); break;
-                case 4: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 4, a); break;
-                case 3: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 3, a); break;
-                case 2: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 2, a); break;
-                default: q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, 1, a); break;
-                }
+#define Q8_ROWS16(h) q8_rows16(type, P2, r1 - r0, xs + i * ldx, ldx, h, a)
+                BY_HEIGHT(R, Q8_ROWS16)
+#undef Q8_ROWS16
                 for (int t = 0; t < R; t++) _mm512_store_ps(acc[i + t], a[t]);
             }
         }
