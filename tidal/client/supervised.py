@@ -211,8 +211,9 @@ def _model_path(config: EngineConfig) -> str:
 
 
 def load_api_tokenizer(model_path: str):  # -> tidal.loader.tokenizer.Tokenizer
-    """The tokenizer and chat template the API process needs, read without torch."""
+    """The tokenizer and chat template the API process needs, read without torch: the compact
+    one where it encodes and decodes exactly as the full one (tidal.loader.token_encoder)."""
     from tidal.loader.arch_reader import read_arch_config
-    from tidal.loader.tokenizer import load_tokenizer
+    from tidal.loader.token_encoder import load_compact_tokenizer
 
-    return load_tokenizer(model_path, read_arch_config(model_path).family)
+    return load_compact_tokenizer(model_path, read_arch_config(model_path).family)

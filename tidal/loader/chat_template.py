@@ -335,3 +335,64 @@ def _compile(template: str) -> jinja2.Template:
         raise ValueError(
             f"chat template does not parse: {exc.message} (line {exc.lineno})"
         ) from exc
+
+
+class ChatTemplating:
+    """`apply_chat_template` and the special tokens' texts, for a tokenizer that has the
+    checkpoint's templates, its special ids and `_token(id) -> text` (tidal.loader.tokenizer's
+    Tokenizer and tidal.loader.token_encoder's CompactTokenizer)."""
+
+    chat_template: str | None
+    named_chat_templates: dict[str, str]
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    unk_token_id: int | None
+
+    def _token(self, token_id: int | None) -> str | None:
+        raise NotImplementedError
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._token(self.bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._token(self.eos_token_id)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
+        **extra: Any,
+    ) -> str:
+        """The prompt text for `messages`; encode it with add_special_tokens=False.
+
+        `chat_template` names one of the checkpoint's templates (or is template text); by default
+        the "tool_use" variant renders requests with tools when the checkpoint has one.
+        """
+        template = choose_named_template(
+            self.chat_template, self.named_chat_templates, chat_template, tools is not None
+        )
+        if template is None:
+            raise ValueError(
+                "this checkpoint has no chat template and its chat family is unknown; "
+                f"pass family= one of {sorted(BUILTIN_TEMPLATES)} to load_tokenizer"
+            )
+        special = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "unk_token": self._token(self.unk_token_id),
+            "pad_token": self._token(self.pad_token_id),
+        }
+        # Keyword arguments override the checkpoint's special tokens, as in transformers.
+        return render_chat_template(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            **{**special, **extra},
+        )

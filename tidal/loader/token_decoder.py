@@ -16,6 +16,7 @@ differently from the API process. `load_token_decoder` caches the checked result
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -26,11 +27,14 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
-from tidal.loader.tokenizer_gguf import byte_alphabet, cache_candidates, write_cache_file
+from tidal.loader.cache_files import byte_alphabet, cache_candidates, write_cache_file
 
 log = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"
+# Bump when the file layout or what decode does changes, so old files are rebuilt.
+CACHE_FORMAT_VERSION = 2
+CACHE_SUFFIX = ".token-decoder"
 # Random single tokens and mixed windows the self-check decodes (plus every special/byte token).
 _CHECK_SINGLE = 5_000
 _CHECK_WINDOWS = 1_000
@@ -168,6 +172,12 @@ _ATTRS = (
 )  # fmt: skip
 
 
+def _uints(data: bytes) -> array:
+    values = array("I")
+    values.frombytes(data)
+    return values
+
+
 class TokenDecoder:
     """Ids -> text as the checkpoint's tokenizer decodes them, plus its special ids; no encoding.
 
@@ -175,6 +185,13 @@ class TokenDecoder:
     `family`, `vocab_size`); `load_full()` loads the full tokenizer for the rare user that needs
     one (structured output builds its grammar tokenizer from it).
     """
+
+    CACHE_SUFFIX = CACHE_SUFFIX
+
+    @classmethod
+    def cache_format(cls) -> int | str:
+        """Part of the on-disk cache's key: a change means the cached files are rebuilt."""
+        return CACHE_FORMAT_VERSION
 
     def __init__(
         self,
@@ -223,6 +240,22 @@ class TokenDecoder:
             attrs,
             load_full,
         )
+
+    def cache_parts(self) -> tuple[dict[str, Any], list[bytes]]:
+        """The header fields and arrays the on-disk cache keeps (from_cache_parts reads them)."""
+        skip = array("I", sorted(self._skip))
+        missing = array("I", sorted(self._missing))
+        fields = {"decoder": self.decoder_config, "attrs": self.attrs}
+        return fields, [self._blob, self._offsets.tobytes(), skip.tobytes(), missing.tobytes()]
+
+    @classmethod
+    def from_cache_parts(
+        cls, header: dict[str, Any], parts: list[bytes], load_full: Callable[[], Any]
+    ) -> TokenDecoder:
+        blob, offsets, skip, missing = parts[0], *(_uints(p) for p in parts[1:4])
+        if offsets[-1] != len(blob):
+            raise ValueError("the offsets do not end at the blob's end")
+        return cls(blob, offsets, skip, missing, header["decoder"], header["attrs"], load_full)
 
     @property
     def nbytes(self) -> int:
@@ -309,18 +342,14 @@ def compact_tokenizer(tok: Any, load_full: Callable[[], Any]) -> TokenDecoder | 
 
 # ---------------------------------------------------------------- the on-disk cache
 
-# Bump when the file layout or what decode does changes, so old files are rebuilt.
-CACHE_FORMAT_VERSION = 1
-CACHE_SUFFIX = ".token-decoder"
 _MAGIC = b"TIDALTD\n"
 _HF_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "config.json")
 
 
-def _source_key(path: Path, family: str | None) -> dict[str, Any]:
-    """What a cached decoder depends on: the checkpoint's tokenizer files (size, mtime), the
-    family asked for, and the tokenizers release it was checked against."""
-    import tokenizers
-
+def _source_key(path: Path, family: str | None, fmt: int | str) -> dict[str, Any]:
+    """What a cached tokenizer depends on: the checkpoint's tokenizer files (size, mtime), the
+    family asked for, the file format and the tokenizers release it was checked against (read
+    from the package's metadata: the process that only loads the cache never imports it)."""
     files = [path] if path.is_file() else [path / name for name in _HF_FILES]
     stats = []
     for f in files:
@@ -330,10 +359,10 @@ def _source_key(path: Path, family: str | None) -> dict[str, Any]:
         except OSError:
             stats.append([f.name, None, None])
     return {
-        "format": CACHE_FORMAT_VERSION,
+        "format": fmt,
         "files": stats,
         "family": family,
-        "tokenizers": tokenizers.__version__,
+        "tokenizers": importlib.metadata.version("tokenizers"),
     }
 
 
@@ -343,22 +372,16 @@ def _write_cache(cache_path: Path, key: dict[str, Any], result: TokenDecoder | s
     if isinstance(result, str):
         header["unsupported"] = result
     else:
-        skip = array("I", sorted(result._skip))
-        missing = array("I", sorted(result._missing))
-        header.update(
-            decoder=result.decoder_config,
-            attrs=result.attrs,
-            sizes=[len(result._blob), len(result._offsets), len(skip), len(missing)],
-        )
-        arrays = [result._blob, result._offsets.tobytes(), skip.tobytes(), missing.tobytes()]
+        fields, arrays = result.cache_parts()
+        header.update(fields, sizes=[len(a) for a in arrays])
     head = json.dumps(header).encode("utf-8")
     return write_cache_file(cache_path, [_MAGIC, len(head).to_bytes(4, "little"), head, *arrays])
 
 
 def _read_cache(
-    cache_path: Path, key: dict[str, Any], load_full: Callable[[], Any]
+    cache_path: Path, key: dict[str, Any], load_full: Callable[[], Any], cls: type[TokenDecoder]
 ) -> TokenDecoder | str | None:
-    """The cached decoder, the cached reason to keep the full tokenizer, or None (a miss)."""
+    """The cached tokenizer, the cached reason to keep the full one, or None (a miss)."""
     try:
         data = cache_path.read_bytes()
         if not data.startswith(_MAGIC):
@@ -371,23 +394,57 @@ def _read_cache(
         if "unsupported" in header:
             return str(header["unsupported"])
         at += head_len
-        blob_len, n_offsets, n_skip, n_missing = header["sizes"]
-        blob = data[at : at + blob_len]
-        at += blob_len
         parts = []
-        for n in (n_offsets, n_skip, n_missing):
-            part = array("I")
-            part.frombytes(data[at : at + n * part.itemsize])
-            at += n * part.itemsize
-            parts.append(part)
-        if at != len(data) or len(blob) != blob_len or parts[0][-1] != blob_len:
+        for size in header["sizes"]:
+            parts.append(data[at : at + size])
+            at += size
+        if at != len(data):
             return None
-        offsets, skip, missing = parts
-        return TokenDecoder(
-            blob, offsets, skip, missing, header["decoder"], header["attrs"], load_full
-        )
+        return cls.from_cache_parts(header, parts, load_full)
     except Exception:  # a missing, stale or corrupt cache is only a miss
         return None
+
+
+def load_cached_compact(
+    path: str | os.PathLike[str],
+    family: str | None,
+    cls: type[TokenDecoder],
+    build: Callable[[Any, Path, Callable[[], Any]], TokenDecoder | str],
+) -> Any:
+    """`cls` for the checkpoint's tokenizer when `build` made one that behaves exactly as the
+    full tokenizer, else the full tokenizer; the verdict (and the compact tokenizer's arrays)
+    cached on disk beside the model or under tidal's cache directory, by cls.CACHE_SUFFIX."""
+    from tidal.loader.heap import release_free_heap
+
+    source = Path(path)
+
+    def load_full() -> Any:
+        # Imported here: a cache hit imports neither `tokenizers` nor numpy.
+        from tidal.loader.tokenizer import load_tokenizer
+
+        return load_tokenizer(source, family)
+
+    if not (source.is_file() or source.is_dir()):
+        return load_full()  # load_tokenizer names the problem
+    key = _source_key(source, family, cls.cache_format())
+    candidates = cache_candidates(source, cls.CACHE_SUFFIX)
+    for cache_path in candidates:
+        cached = _read_cache(cache_path, key, load_full, cls)
+        if isinstance(cached, TokenDecoder):
+            return cached
+        if isinstance(cached, str):
+            return load_full()
+    tok = load_full()
+    result = build(tok, source, load_full)
+    for cache_path in candidates:
+        if _write_cache(cache_path, key, result):
+            break
+    if isinstance(result, str):
+        log.info("keeping the full tokenizer in this process: %s", result)
+        return tok
+    del tok
+    release_free_heap()  # the full tokenizer's maps were most of this process's heap growth
+    return result
 
 
 def load_token_decoder(path: str | os.PathLike[str], family: str | None = None) -> Any:
@@ -398,32 +455,6 @@ def load_token_decoder(path: str | os.PathLike[str], family: str | None = None) 
     the result (`<model>.gguf.token-decoder`, or under tidal's cache directory); later loads read
     a few MB (3.4 for Gemma 3) instead of parsing the tokenizer's JSON, so they are faster as well as smaller.
     """
-    from tidal.loader.heap import release_free_heap
-    from tidal.loader.tokenizer import load_tokenizer
-
-    source = Path(path)
-
-    def load_full() -> Any:
-        return load_tokenizer(source, family)
-
-    if not (source.is_file() or source.is_dir()):
-        return load_full()  # load_tokenizer names the problem
-    key = _source_key(source, family)
-    candidates = cache_candidates(source, CACHE_SUFFIX)
-    for cache_path in candidates:
-        cached = _read_cache(cache_path, key, load_full)
-        if isinstance(cached, TokenDecoder):
-            return cached
-        if isinstance(cached, str):
-            return load_full()
-    tok = load_full()
-    result = compact_tokenizer(tok, load_full)
-    for cache_path in candidates:
-        if _write_cache(cache_path, key, result):
-            break
-    if isinstance(result, str):
-        log.info("keeping the full tokenizer in this process: %s", result)
-        return tok
-    del tok
-    release_free_heap()  # the full tokenizer's maps were most of this process's heap growth
-    return result
+    return load_cached_compact(
+        path, family, TokenDecoder, lambda tok, _path, load_full: compact_tokenizer(tok, load_full)
+    )

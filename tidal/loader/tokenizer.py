@@ -11,9 +11,8 @@ from typing import Any
 import tokenizers
 
 from tidal.loader.chat_template import (
+    ChatTemplating,
     builtin_chat_template,
-    choose_named_template,
-    render_chat_template,
     select_chat_template,
 )
 from tidal.loader.heap import release_free_heap
@@ -48,7 +47,7 @@ _FAMILY_ALIASES: dict[str, str] = {
 _VOCAB_DECIDES = frozenset({"llama", "deepseek_v2", "deepseek_v3"})
 
 
-class Tokenizer:
+class Tokenizer(ChatTemplating):
     """A fast `tokenizers.Tokenizer` plus what serving needs from the checkpoint around it."""
 
     def __init__(
@@ -85,14 +84,6 @@ class Tokenizer:
         self.chat_template = chat_template
         self.named_chat_templates = dict(named_chat_templates or {})
 
-    @property
-    def bos_token(self) -> str | None:
-        return self._token(self.bos_token_id)
-
-    @property
-    def eos_token(self) -> str | None:
-        return self._token(self.eos_token_id)
-
     def token_to_id(self, token: str) -> int | None:
         return self.hf.token_to_id(token)
 
@@ -121,43 +112,6 @@ class Tokenizer:
                 raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
             out.append(token)
         return out
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        *,
-        tools: list[dict[str, Any]] | None = None,
-        chat_template: str | None = None,
-        **extra: Any,
-    ) -> str:
-        """The prompt text for `messages`; encode it with add_special_tokens=False.
-
-        `chat_template` names one of the checkpoint's templates (or is template text); by default
-        the "tool_use" variant renders requests with tools when the checkpoint has one.
-        """
-        template = choose_named_template(
-            self.chat_template, self.named_chat_templates, chat_template, tools is not None
-        )
-        if template is None:
-            raise ValueError(
-                "this checkpoint has no chat template and its chat family is unknown; "
-                f"pass family= one of {sorted(END_OF_TURN_TOKENS)} to load_tokenizer"
-            )
-        special = {
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
-            "unk_token": self._token(self.unk_token_id),
-            "pad_token": self._token(self.pad_token_id),
-        }
-        # Keyword arguments override the checkpoint's special tokens, as in transformers.
-        return render_chat_template(
-            template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=tools,
-            **{**special, **extra},
-        )
 
     def _token(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.hf.id_to_token(token_id)

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import tempfile
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +12,7 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers
 from tokenizers.models import BPE
 
+from tidal.loader.cache_files import byte_alphabet, cache_candidates, write_cache_file
 from tidal.loader.gguf_file import GGUFFile
 from tidal.loader.tokenizer_pre import (
     PreTokenizerRule,
@@ -110,7 +108,7 @@ def load_gguf_tokenizer(
     """
     model_path = Path(path)
     key = _source_key(model_path)
-    for cache_path in cache_candidates(model_path):
+    for cache_path in cache_candidates(model_path, CACHE_SUFFIX):
         cached = _read_cache(cache_path, key)
         if cached is not None:
             return cached
@@ -119,7 +117,7 @@ def load_gguf_tokenizer(
             tok, info = build_gguf_tokenizer(opened)
     else:
         tok, info = build_gguf_tokenizer(gguf)
-    for cache_path in cache_candidates(model_path):
+    for cache_path in cache_candidates(model_path, CACHE_SUFFIX):
         if _write_cache(cache_path, key, tok, info):
             break
     return tok, info
@@ -135,13 +133,7 @@ def _build_sentencepiece(
     # spelled with "▁" to be reachable, since spaces become "▁" before the model sees the text.
     spelled = [t.replace(" ", "\u2581") if " " in t and not t.strip() else t for t in tokens]
     vocab = {t: i for i, t in enumerate(spelled)}
-    scores = meta.get("tokenizer.ggml.scores")
-    if arch.startswith("gemma") or scores is None:
-        # Gemma's scores do not follow its merge order; the position in the file does.
-        rank_scores = -np.arange(len(tokens), dtype=np.float64)
-    else:
-        rank_scores = np.asarray(scores, dtype=np.float64)
-    merges = _merges_from_vocab(spelled, vocab, rank_scores)
+    merges = _merges_from_vocab(spelled, vocab, sentencepiece_scores(meta, len(tokens), arch))
     unk_id = _opt_int(meta.get("tokenizer.ggml.unknown_token_id"))
     unk = spelled[unk_id] if unk_id is not None and 0 <= unk_id < len(spelled) else None
     tok = Tokenizer(
@@ -176,6 +168,15 @@ def _build_sentencepiece(
     return tok, vocab
 
 
+def sentencepiece_scores(meta: dict[str, Any], num_tokens: int, arch: str) -> np.ndarray:
+    """Each token's merge score: a pair whose result scores higher merges first."""
+    scores = meta.get("tokenizer.ggml.scores")
+    if arch.startswith("gemma") or scores is None:
+        # Gemma's scores do not follow its merge order; the position in the file does.
+        return -np.arange(num_tokens, dtype=np.float64)
+    return np.asarray(scores, dtype=np.float64)
+
+
 def _merges_from_vocab(
     tokens: list[str], vocab: dict[str, int], rank_scores: np.ndarray
 ) -> list[tuple[str, str]]:
@@ -203,22 +204,6 @@ def _merges_from_vocab(
 
 
 # ---------------------------------------------------------------- byte-level BPE vocabularies
-
-
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (printable bytes map to themselves)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {b: chr(b) for b in printable}
-    shift = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + shift)
-            shift += 1
-    return table
 
 
 def _build_bpe(
@@ -325,26 +310,6 @@ def _source_key(model_path: Path) -> _SourceKey:
     return _SourceKey(CACHE_FORMAT_VERSION, st.st_size, st.st_mtime_ns)
 
 
-def tidal_cache_dir() -> Path:
-    """`$TIDAL_CACHE_DIR`, else `$XDG_CACHE_HOME/tidal`, else `~/.cache/tidal` (not created)."""
-    explicit = os.environ.get("TIDAL_CACHE_DIR")
-    if explicit:
-        return Path(explicit).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tidal"
-
-
-def cache_candidates(model_path: Path, suffix: str = CACHE_SUFFIX) -> Sequence[Path]:
-    """Where a cache derived from a checkpoint lives: beside a model file first, then under
-    tidal's cache directory (only there for a directory: never inside a user's HF folder)."""
-    # The name is per absolute path; the recorded key still guards against a replaced file.
-    digest = hashlib.sha256(str(model_path.resolve()).encode()).hexdigest()[:16]
-    central = tidal_cache_dir() / "tokenizers" / f"{model_path.name}-{digest}{suffix}"
-    if model_path.is_dir():
-        return (central,)
-    return (model_path.with_name(model_path.name + suffix), central)
-
-
 def _read_cache(cache_path: Path, key: _SourceKey) -> tuple[Tokenizer, GGUFTokenizerInfo] | None:
     try:
         doc = json.loads(cache_path.read_text(encoding="utf-8"))
@@ -360,23 +325,3 @@ def _write_cache(
 ) -> bool:
     doc = {"source": asdict(key), "info": asdict(info), "tokenizer": tok.to_str()}
     return write_cache_file(cache_path, [json.dumps(doc, ensure_ascii=False).encode("utf-8")])
-
-
-def write_cache_file(cache_path: Path, parts: Sequence[bytes]) -> bool:
-    """Write `parts` to cache_path atomically (temp file + rename); False if it cannot be written."""
-    try:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        # Write then rename, so a concurrent reader never sees half a file.
-        fd, tmp = tempfile.mkstemp(dir=cache_path.parent, prefix=cache_path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                for part in parts:
-                    f.write(part)
-            os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache holds nothing secret
-            os.replace(tmp, cache_path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError:
-        return False
-    return True
