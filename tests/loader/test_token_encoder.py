@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.loader.test_tokenizer import CASES, _byte_level_gguf, _sentencepiece_gguf, _write_gguf
+from tests.loader.test_tokenizer import (
+    CASES,
+    _byte_level_gguf,
+    _sentencepiece_gguf,
+    write_sentencepiece_gguf,
+)
 from tidal.loader import token_encoder, tokenizer
 from tidal.loader.token_encoder import (
     CompactTokenizer,
@@ -48,17 +53,7 @@ def _random_spm_gguf(
     scores += [float(-rng.randint(0, 12)) for _ in pieces]
     scores += [0.0] * (1 + len(user))
 
-    def fill(w) -> None:
-        w.add_tokenizer_model("llama")
-        w.add_token_list(tokens)
-        w.add_token_types(types)
-        w.add_token_scores(scores)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_unk_token_id(0)
-        w.add_add_space_prefix(False)
-
-    return _write_gguf(path, arch, fill)
+    return write_sentencepiece_gguf(path, arch, tokens, types, scores, add_space_prefix=False)
 
 
 def _random_texts(seed: int, n: int) -> list[str]:

@@ -218,6 +218,19 @@ def _sentencepiece_gguf(path: Path, add_space_prefix: bool | None) -> Path:
     types = [2, 3, 3, *([6] * 256), *([1] * len(pieces)), 3]
     scores = [0.0] * (3 + 256) + [-float(i) for i in range(len(pieces))] + [0.0]
 
+    return write_sentencepiece_gguf(path, "llama", tokens, types, scores, add_space_prefix)
+
+
+def write_sentencepiece_gguf(
+    path: Path,
+    arch: str,
+    tokens: list[str],
+    types: list[int],
+    scores: list[float],
+    add_space_prefix: bool | None,
+) -> Path:
+    """A GGUF with only a SentencePiece vocabulary: <unk>, <s>, </s> at ids 0, 1, 2."""
+
     def fill(w) -> None:
         w.add_tokenizer_model("llama")
         w.add_token_list(tokens)
@@ -229,7 +242,7 @@ def _sentencepiece_gguf(path: Path, add_space_prefix: bool | None) -> Path:
         if add_space_prefix is not None:
             w.add_add_space_prefix(add_space_prefix)
 
-    return _write_gguf(path, "llama", fill)
+    return _write_gguf(path, arch, fill)
 
 
 SPM_TEXTS = ["hello world", "hello  world", " hello", "héllo", "world<|turn|>hello"]

@@ -34,8 +34,7 @@ from typing import Any
 from tidal.loader.chat_template import ChatTemplating
 from tidal.loader.token_decoder import (
     TokenDecoder,
-    UnsupportedDecoder,
-    check_token_decoder,
+    compact_tokenizer,
     load_cached_compact,
 )
 
@@ -332,10 +331,9 @@ def compact_encoding_tokenizer(
     try:
         hf = full.hf
         _check_model(hf)
-        decoder = TokenDecoder.from_tokenizer(full, load_full)
-        bad_ids = check_token_decoder(decoder, full)
-        if bad_ids is not None:
-            return f"the compact tokenizer decodes ids {bad_ids} differently"
+        decoder = compact_tokenizer(full, load_full)  # the decode half, checked
+        if isinstance(decoder, str):
+            return decoder
         ranks = _merge_ranks(path, decoder.vocab_size)
         unk = hf.model.unk_token
         tok = CompactTokenizer(
@@ -346,7 +344,7 @@ def compact_encoding_tokenizer(
             full.chat_template,
             full.named_chat_templates,
         )
-    except (UnsupportedDecoder, UnsupportedEncoder) as exc:
+    except UnsupportedEncoder as exc:
         return str(exc)
     bad = check_encoder(tok, full)
     if bad is not None:
