@@ -34,11 +34,15 @@ def test_the_flag_parses() -> None:
 
 
 def test_tidal_holds_the_context_llama_server_is_given() -> None:
-    """Memory is compared at equal KV tokens: llama-server's -c is tidal's --kv-cache-tokens."""
+    """Memory is compared at equal KV tokens over equal sequences: llama-server's -c is tidal's
+    --kv-cache-tokens, its --parallel slots tidal's --max-num-seqs."""
     args = build_parser().parse_args(["bench", "compare", "--parallel", "12"])
     assert context_tokens(args) == 4096 * 12
     cmd = tidal_command(TARGETS["tidal"], None, args)
     assert cmd[cmd.index("--kv-cache-tokens") + 1] == str(4096 * 12)
+    assert cmd[cmd.index("--max-num-seqs") + 1] == "12"
+    cmd = tidal_command(TARGETS["tidal-max-num-seqs-1"], None, args)
+    assert cmd.count("--max-num-seqs") == 1 and cmd[-2:] == ["--max-num-seqs", "1"]
     args = build_parser().parse_args(["bench", "compare", "--context-tokens", "8192"])
     cmd = tidal_command(TARGETS["tidal-int8"], None, args)
     assert cmd[cmd.index("--kv-cache-tokens") + 1] == "8192"

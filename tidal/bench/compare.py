@@ -111,7 +111,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-tpot-ms", type=float, default=None,
                    help=f"also run tidal with this TPOT target, as target {TPOT_TARGET!r} after 'tidal'")  # fmt: skip
     p.add_argument("--parallel", type=int, default=DEFAULT_CONCURRENCY,
-                   help="llama-server --parallel slots and the HF baseline's batch size")  # fmt: skip
+                   help="llama-server --parallel slots, tidal's --max-num-seqs (both servers run "
+                        "as many sequences at once) and the HF baseline's batch size")  # fmt: skip
     # One thread by default: on a shared 2-core box, 2 torch threads per server spin against the
     # other processes and a step took seconds; every target gets the same count either way.
     p.add_argument("--threads", type=int, default=1, help="CPU threads per server (all targets)")
@@ -186,12 +187,16 @@ def _free_port() -> int:
 
 
 def tidal_command(t: Target, model: Path | None, args: argparse.Namespace) -> list[str]:
-    """`tidal serve` for a tidal target; its KV pool holds llama-server's context unless the
-    target sizes the pool itself."""
+    """`tidal serve` for a tidal target, configured as llama-server is: its KV pool holds
+    llama-server's context over as many sequences as llama-server has slots, unless the target
+    sets these itself. (tidal sizes the pool for every sequence's sliding windows, so 32
+    sequences' windows over llama-server's one slot's would hold more KV than llama-server.)"""
     cmd = [sys.executable, "-m", "tidal.cli_serve", "--host", "127.0.0.1", "--port", "0",
            "--threads", str(args.threads)]  # fmt: skip
     if not any(a.startswith("--kv-cache") for a in t.args):
         cmd += ["--kv-cache-tokens", str(context_tokens(args))]
+    if "--max-num-seqs" not in t.args:
+        cmd += ["--max-num-seqs", str(args.parallel)]
     if model is not None:
         cmd += ["--model", str(model)]
     return cmd + list(t.args)
@@ -225,9 +230,9 @@ def start_target(
 
 
 def context_tokens(args: argparse.Namespace) -> int:
-    """The KV tokens each server is given. llama-server keeps sliding-window layers' cache at the
-    window (its default, no --swa-full) while tidal's pool holds them in every layer: at equal
-    tokens tidal reserves at least as much KV memory as llama-server, never less."""
+    """The KV tokens each server is given: llama-server's -c, tidal's --kv-cache-tokens. Both
+    keep sliding-window layers' pages at what the windows of their sequences can see (llama.cpp
+    without --swa-full; tidal's num_blocks_for_tokens)."""
     return args.context_tokens or 4096 * args.parallel
 
 
