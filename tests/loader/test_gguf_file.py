@@ -256,6 +256,41 @@ def test_long_string_arrays_can_be_counted_not_decoded(tmp_path: Path) -> None:
         assert f.get("t.strs") == ["a", "", "▁b", "<0x0A>"]  # not over the limit: decoded
 
 
+def _plain(value: object) -> object:
+    """numpy and array.array values as lists, recursively: the two readers' common form."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def test_a_header_only_open_reads_the_same_metadata_without_numpy(tmp_path: Path) -> None:
+    """header_only=True (the API process): every key and tensor info as a full open reads them,
+    numeric arrays as array.array of the same values (bools as 0/1), and no tensor bytes."""
+    import array
+
+    path = tmp_path / "tiny.gguf"
+    _write_tiny(path)
+    with GGUFFile(path) as full, GGUFFile(path, header_only=True) as header:
+        assert header.metadata.keys() == full.metadata.keys()
+        for key, value in full.metadata.items():
+            assert _plain(header.get(key)) == _plain(value), key
+        for key in ("t.i32s", "t.f32s", "t.bools", "t.u8s"):
+            assert isinstance(header.get(key), array.array), key
+        assert header.get("t.i32s").tolist() == [1, -2, 3]
+        assert header.get("t.f32s").itemsize == 4 and header.get("t.bools").tolist() == [1, 0]
+        assert header.tensors == full.tensors and header.data_offset == full.data_offset
+        with pytest.raises(ValueError, match="header_only=True: no tensor bytes"):
+            header.raw("f32")
+    with GGUFFile(path, header_only=True, count_strings_over=3) as counted:
+        assert isinstance(counted.get("t.strs"), CountedStrings)
+    with pytest.raises(ValueError, match="metadata=False"):
+        GGUFFile(path, header_only=True, metadata=False)
+    full_bytes = path.read_bytes()
+    path.write_bytes(full_bytes[: full_bytes.index(b"t.f32s") + 20])
+    with pytest.raises(ValueError, match=r"tiny\.gguf: truncated GGUF file"):
+        GGUFFile(path, header_only=True)
+
+
 def test_bundled_architecture_from_counted_strings() -> None:
     """The engine reads the architecture with the vocabulary counted, not decoded: the same
     ArchConfig as from the full metadata."""
@@ -267,6 +302,10 @@ def test_bundled_architecture_from_counted_strings() -> None:
         assert len(f.get("tokenizer.ggml.tokens")) == 262144
         has_output = "output.weight" in f.tensors
         assert arch_from_gguf(f.metadata, has_output) == arch_from_gguf(full.metadata, has_output)
+    with GGUFFile(path, count_strings_over=ARCH_STRINGS_DECODED, header_only=True) as header:
+        assert arch_from_gguf(header.metadata, has_output) == arch_from_gguf(
+            full.metadata, has_output
+        )
 
 
 def test_bundled_metadata() -> None:

@@ -1,4 +1,4 @@
-"""read_arch_config: a checkpoint's ArchConfig from its header alone (HF config.json or GGUF metadata), without torch."""
+"""read_arch_config: a checkpoint's ArchConfig from its header alone (HF config.json or GGUF metadata), without torch or numpy."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from tidal.config.arch import ArchConfig, arch_from_gguf, arch_from_hf
 
 
 def read_arch_config(path: str | Path) -> ArchConfig:
-    """The ArchConfig of a checkpoint, for a process that never loads the model (the API process).
+    """The ArchConfig of a checkpoint, for a process that never loads the model (the API
+    process): neither torch nor numpy is imported.
 
     The same answer as `model_loader.read_arch(path)[0]`, which also reads the rope frequency
     tensor and so needs torch.
@@ -26,5 +27,5 @@ def read_arch_config(path: str | Path) -> ArchConfig:
         raise ValueError(f"model path {str(p)!r} does not exist")
     from tidal.loader.gguf_file import ARCH_STRINGS_DECODED, GGUFFile
 
-    with GGUFFile(str(p), count_strings_over=ARCH_STRINGS_DECODED) as f:
+    with GGUFFile(str(p), count_strings_over=ARCH_STRINGS_DECODED, header_only=True) as f:
         return arch_from_gguf(f.metadata, "output.weight" in f.tensors)

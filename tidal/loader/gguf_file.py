@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import array
 import enum
+import mmap
 import os
 import struct
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from tidal.quant.gguf_types import BLOCK_SIZES, GGMLType
+
+# NOTE: numpy and torch are imported only where a file's tensors or numpy arrays are wanted: the
+# API process reads the metadata (the tokenizer's family, the architecture) through this module
+# with header_only=True and pays neither's import and memory.
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 GGUF_MAGIC = b"GGUF"
 # Readers of the architecture decode string arrays up to this many items (general.tags, say)
@@ -38,30 +46,25 @@ class _ValueType(enum.IntEnum):
     FLOAT64 = 12
 
 
-_NUMPY_DTYPES: dict[_ValueType, np.dtype] = {
-    _ValueType.UINT8: np.dtype("<u1"),
-    _ValueType.INT8: np.dtype("<i1"),
-    _ValueType.UINT16: np.dtype("<u2"),
-    _ValueType.INT16: np.dtype("<i2"),
-    _ValueType.UINT32: np.dtype("<u4"),
-    _ValueType.INT32: np.dtype("<i4"),
-    _ValueType.FLOAT32: np.dtype("<f4"),
-    _ValueType.BOOL: np.dtype("?"),
-    _ValueType.UINT64: np.dtype("<u8"),
-    _ValueType.INT64: np.dtype("<i8"),
-    _ValueType.FLOAT64: np.dtype("<f8"),
+# A metadata array's element type: its little-endian struct code (also the array.array
+# typecode, bool read as "B") and numpy dtype. Explicit codes: numpy's dtype.char for 64-bit
+# ints is platform-sized ("l"/"L").
+_ELEMENTS: dict[_ValueType, tuple[str, str]] = {
+    _ValueType.UINT8: ("B", "<u1"),
+    _ValueType.INT8: ("b", "<i1"),
+    _ValueType.UINT16: ("H", "<u2"),
+    _ValueType.INT16: ("h", "<i2"),
+    _ValueType.UINT32: ("I", "<u4"),
+    _ValueType.INT32: ("i", "<i4"),
+    _ValueType.FLOAT32: ("f", "<f4"),
+    _ValueType.BOOL: ("?", "?"),
+    _ValueType.UINT64: ("Q", "<u8"),
+    _ValueType.INT64: ("q", "<i8"),
+    _ValueType.FLOAT64: ("d", "<f8"),
 }
-# Explicit struct codes: numpy's dtype.char for 64-bit ints is platform-sized ("l"/"L").
 _SCALAR_STRUCTS: dict[_ValueType, struct.Struct] = {
-    vt: struct.Struct("<" + code)
-    for vt, code in zip(
-        _NUMPY_DTYPES, ("B", "b", "H", "h", "I", "i", "f", "?", "Q", "q", "d"), strict=True
-    )
+    vt: struct.Struct("<" + code) for vt, (code, _) in _ELEMENTS.items()
 }
-# NOTE: torch is imported only to load a tensor: the API process reads the metadata (the
-# tokenizer, the architecture) through this module and must not pay torch's import and memory.
-if TYPE_CHECKING:
-    import torch
 
 # The float types a GGUF may store a tensor in, by torch dtype name.
 _TORCH_STORAGE: dict[GGMLType, str] = {
@@ -104,14 +107,21 @@ class CountedStrings:
 class _Cursor:
     """Bounds-checked little-endian reads over the mapped file; errors name the path."""
 
-    __slots__ = ("buf", "pos", "size", "path", "count_strings_over")
+    __slots__ = ("buf", "pos", "size", "path", "count_strings_over", "numpy_arrays")
 
-    def __init__(self, buf: memoryview, path: Path, count_strings_over: int | None = None) -> None:
+    def __init__(
+        self,
+        buf: memoryview,
+        path: Path,
+        count_strings_over: int | None = None,
+        numpy_arrays: bool = True,
+    ) -> None:
         self.buf = buf
         self.pos = 0
         self.size = len(buf)
         self.path = path
         self.count_strings_over = count_strings_over
+        self.numpy_arrays = numpy_arrays
 
     def need(self, nbytes: int, what: str) -> None:
         if self.pos + nbytes > self.size:
@@ -155,14 +165,19 @@ class _Cursor:
     def array(self, what: str) -> Any:
         elem_type = self.u32(what)
         count = self.u64(what)
-        dtype = _NUMPY_DTYPES.get(elem_type)  # type: ignore[call-overload]
-        if dtype is not None:
-            nbytes = count * dtype.itemsize
+        element = _ELEMENTS.get(elem_type)  # type: ignore[call-overload]
+        if element is not None:
+            code, dtype = element
+            nbytes = count * _SCALAR_STRUCTS[elem_type].size  # type: ignore[index]
             self.need(nbytes, what)
-            # Copy so metadata outlives the mapping.
-            values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+            # Copied, so metadata outlives the mapping.
+            raw = self.buf[self.pos : self.pos + nbytes]
             self.pos += nbytes
-            return values
+            if self.numpy_arrays:
+                import numpy as np
+
+                return np.frombuffer(raw, dtype=np.dtype(dtype)).copy()
+            return _python_array(raw, code)
         if elem_type == _ValueType.STRING:
             if self.count_strings_over is not None and count > self.count_strings_over:
                 return self.skip_strings(count, what)
@@ -226,6 +241,18 @@ class _Cursor:
         return bytes(self.buf[start : min(self.size, start + wanted)])
 
 
+def _python_array(raw: memoryview, code: str) -> array.array:
+    """A numeric metadata array without numpy (GGUFFile(..., header_only=True)): indexing,
+    len() and tolist() as a numpy array's; bools read as 0/1."""
+    values = array.array("B" if code == "?" else code)
+    if values.itemsize != struct.calcsize(code):  # "I" is 4 bytes wherever tidal runs
+        raise ValueError(f"array.array({code!r}) is {values.itemsize} bytes on this platform")
+    values.frombytes(raw)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values
+
+
 def _decode(raw: memoryview) -> str:
     data = bytes(raw)
     try:
@@ -272,7 +299,9 @@ class GGUFFile:
     before (same size, mtime and inode), the header is not parsed again and `metadata` refuses
     reads. `count_strings_over=N`: a string array of more than N items is stepped over, not
     decoded, and its metadata value is a CountedStrings (its length only): for readers that
-    need the vocabulary's size, not its tokens.
+    need the vocabulary's size, not its tokens. `header_only=True`: the metadata and tensor
+    infos, read without numpy and keeping no mapping (numeric metadata arrays are
+    array.array; `raw()` and `load_tensor()` refuse): for the API process.
     """
 
     def __init__(
@@ -281,8 +310,12 @@ class GGUFFile:
         *,
         metadata: bool = True,
         count_strings_over: int | None = None,
+        header_only: bool = False,
     ) -> None:
+        if header_only and not metadata:
+            raise ValueError("GGUFFile(header_only=True) reads the metadata: metadata=False is not")
         self.path = Path(path)
+        self.header_only = header_only
         st = self.path.stat()
         file_bytes = st.st_size
         if file_bytes < 24:
@@ -290,15 +323,24 @@ class GGUFFile:
                 f"{self.path}: not a GGUF file: {file_bytes} bytes is shorter than the 24-byte header"
             )
         identity = (str(self.path.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-        self._data: np.ndarray | None = np.memmap(self.path, dtype=np.uint8, mode="c")
+        self._data: np.ndarray | None = None
+        if header_only:
+            # Unmapped when the last view of it goes, at the end of this call.
+            with open(self.path, "rb") as fh:
+                view = memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+        else:
+            import numpy as np
+
+            self._data = np.memmap(self.path, dtype=np.uint8, mode="c")
+            view = memoryview(self._data)
         layout = None if metadata else _LAYOUTS.get(identity)
         if layout is not None:
             self.version, self.data_offset = layout.version, layout.data_offset
             self.tensors: dict[str, GGUFTensorInfo] = dict(layout.tensors)
             self.metadata: dict[str, Any] = _Unread()
             return
-        cursor = _Cursor(memoryview(self._data), self.path, count_strings_over)
-        magic = bytes(self._data[:4])
+        cursor = _Cursor(view, self.path, count_strings_over, numpy_arrays=not header_only)
+        magic = bytes(view[:4])
         if magic != GGUF_MAGIC:
             raise ValueError(
                 f"{self.path}: not a GGUF file: magic {magic!r}, expected {GGUF_MAGIC!r}"
@@ -380,7 +422,8 @@ class GGUFFile:
     def raw(self, name: str) -> np.ndarray:
         """The tensor's stored bytes as a uint8 view into the mapping (no copy)."""
         if self._data is None:
-            raise ValueError(f"{self.path}: file is closed")
+            state = "opened with header_only=True" if self.header_only else "closed"
+            raise ValueError(f"{self.path}: file is {state}: no tensor bytes to read")
         info = self._info(name)
         return self._data[info.offset : info.offset + info.nbytes]
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
+# NOTE: numpy is imported where the fit runs (the engine), not with this module: the API
+# process imports TERMS for its metrics and keeps numpy out of its memory.
+if TYPE_CHECKING:
+    import numpy as np
 
 # Coefficient names, in the order of StepShape.features(): what each one second-count multiplies.
 TERMS = ("base", "per_prefill_token", "per_decode_seq", "per_1k_attended_keys")
@@ -125,6 +129,8 @@ class StepCostModel:
     def _normal_equations(self) -> tuple[np.ndarray, np.ndarray]:
         """Weighted X^T X and X^T y over the window, newest step weight 1 (float64, one pass in
         numpy: the Python loop it replaces took ~0.4 ms, 2% of a decode step)."""
+        import numpy as np
+
         xs = np.array([x for x, _ in self._steps], dtype=np.float64)  # oldest first
         ys = np.array([y for _, y in self._steps], dtype=np.float64)
         w = self.decay ** np.arange(len(ys) - 1, -1, -1, dtype=np.float64)
