@@ -11,7 +11,13 @@ import pytest
 import tokenizers
 from tokenizers import AddedToken, decoders, models
 
-from tests.loader.test_tokenizer import BPE_TEXTS, CASES, _byte_level_gguf, _sentencepiece_gguf
+from tests.loader.test_tokenizer import (
+    BPE_TEXTS,
+    CASES,
+    _byte_level_gguf,
+    _sentencepiece_gguf,
+    write_sentencepiece_gguf,
+)
 from tidal.loader import token_decoder, tokenizer
 from tidal.loader.token_decoder import (
     CACHE_SUFFIX,
@@ -119,6 +125,28 @@ def test_a_decoder_that_differs_is_not_used(monkeypatch: pytest.MonkeyPatch) -> 
     tok = _tiny(DECODERS["gemma"])
     monkeypatch.setattr(TokenDecoder, "decode", lambda self, ids, skip=True: "wrong")
     assert "differently" in compact_tokenizer(tok, lambda: tok)
+
+
+def test_a_vocabulary_spelling_a_token_twice_keeps_its_last_ids(tmp_path: Path) -> None:
+    """Two ids spell "a": tokenizers' vocabulary map holds one entry fewer than the file has
+    ids, so its size is no id bound. The ids run to the largest; the last ones decode as the
+    full tokenizer decodes them, and the check refuses a table cut short."""
+    tokens = ["<unk>", "<s>", "</s>", "a", "b", "ab", "a", "c", "cc", "<|end|>"]
+    types = [2, 3, 3, 1, 1, 1, 1, 1, 1, 3]
+    scores = [0.0, 0.0, 0.0, -1.0, -1.0, -0.5, -1.0, -1.0, -0.7, 0.0]
+    path = write_sentencepiece_gguf(tmp_path / "dup.gguf", "llama", tokens, types, scores, False)
+    full = load_tokenizer(path)
+    last = len(tokens) - 1
+    assert full.hf.get_vocab_size(with_added_tokens=True) < len(tokens) == full.vocab_size
+    dec = compact_tokenizer(full, lambda: full)
+    assert isinstance(dec, TokenDecoder) and dec.vocab_size == len(tokens)
+    for ids in ([last], [8, last], [3, 6, 8], [5, last - 1, 4]):
+        for skip in (False, True):
+            assert dec.decode(ids, skip) == full.hf.decode(ids, skip_special_tokens=skip), ids
+    full.vocab_size = last  # as before: the count of the vocabulary map's entries
+    short = TokenDecoder.from_tokenizer(full, lambda: full)
+    full.vocab_size = len(tokens)
+    assert check_token_decoder(short, full) == [last]
 
 
 @pytest.mark.parametrize("kind", ["byte_level", "sentencepiece"])

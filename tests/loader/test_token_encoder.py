@@ -124,7 +124,7 @@ def test_bundled_gemma() -> None:
 def test_other_vocabularies_keep_the_full_tokenizer(tmp_path: Path, kind: str) -> None:
     if kind == "space_prefix":  # Metaspace pre-tokenizer: not what spm_bpe.c implements
         path = _sentencepiece_gguf(tmp_path / "spm.gguf", True)
-    elif kind == "duplicate":  # two ids spell one piece: the tokenizer has fewer ids than the file
+    elif kind == "duplicate":  # two ids spell one piece: which one encodes is tokenizers' pick
         path = _random_spm_gguf(tmp_path / "spm.gguf", 0, True, duplicate=True)
     else:
         path = _byte_level_gguf(tmp_path / "bpe.gguf", "qwen2")

@@ -33,12 +33,14 @@ log = logging.getLogger(__name__)
 
 _REPLACEMENT = "\ufffd"
 # Bump when the file layout or what decode does changes, so old files are rebuilt.
-CACHE_FORMAT_VERSION = 2
+CACHE_FORMAT_VERSION = 3  # 3: vocabularies with duplicate spellings keep their last ids
 CACHE_SUFFIX = ".token-decoder"
 # Random single tokens and mixed windows the self-check decodes (plus every special/byte token).
 _CHECK_SINGLE = 5_000
 _CHECK_WINDOWS = 1_000
 _CHECK_WINDOW_MAX = 8
+# ... and the last ids alone: a table cut short loses those first.
+_CHECK_LAST = 64
 
 Step = Callable[[list[str]], list[str]]
 
@@ -224,7 +226,7 @@ class TokenDecoder:
         hf = tok.hf
         config = None if hf.decoder is None else json.loads(hf.decoder.__getstate__())
         decoder_steps(config)  # fails fast on a step this module lacks
-        tokens = [hf.id_to_token(i) for i in range(hf.get_vocab_size(with_added_tokens=True))]
+        tokens = [hf.id_to_token(i) for i in range(tok.vocab_size)]
         encoded = [b"" if t is None else t.encode("utf-8") for t in tokens]
         # tokenizers skips by the token's content: any id whose token is a special added token's.
         special = {t.content for t in hf.get_added_tokens_decoder().values() if t.special}
@@ -302,6 +304,8 @@ def check_token_decoder(decoder: TokenDecoder, tok: Any, seed: int = 0) -> list[
     """The first ids `decoder` decodes unlike `tok.hf` (both skip modes), or None if none do."""
     hf = tok.hf
     size = decoder.vocab_size
+    if size != tok.vocab_size:
+        return [min(size, tok.vocab_size)]  # the first id only one of them has
     rng = random.Random(seed)
     specials = sorted(i for i in decoder._skip if i < size)
     offsets = decoder._offsets  # a byte piece "<0xHH>" is 6 bytes: decode only those
@@ -310,7 +314,7 @@ def check_token_decoder(decoder: TokenDecoder, tok: Any, seed: int = 0) -> list[
         for i in range(size)
         if offsets[i + 1] - offsets[i] == 6 and _byte_token(decoder._token(i) or "") is not None
     ]
-    cases = [[i] for i in specials + byte_ids]
+    cases = [[i] for i in specials + byte_ids + list(range(max(0, size - _CHECK_LAST), size))]
     cases += [[rng.randrange(size)] for _ in range(min(_CHECK_SINGLE, size))]
     pool = specials + byte_ids
     for _ in range(_CHECK_WINDOWS):

@@ -245,6 +245,8 @@ def _merge_ranks(path: Path, num_tokens: int) -> array:
         tokens = meta.get("tokenizer.ggml.tokens") or []
         if len(tokens) != num_tokens:
             raise UnsupportedEncoder(f"{len(tokens)} GGUF tokens for {num_tokens} tokenizer ids")
+        if len(set(tokens)) != len(tokens):  # spm_bpe.c would pick its own id for the piece
+            raise UnsupportedEncoder("two ids spell one token")
         scores = sentencepiece_scores(meta, num_tokens, str(meta.get("general.architecture", "")))
     # Higher score merges first: rank 0 is the highest score.
     _, dense = np.unique(-scores, return_inverse=True)

@@ -71,7 +71,12 @@ class Tokenizer(ChatTemplating):
         self.unk_token_id = unk_token_id
         self.add_bos_token = add_bos_token and bos_token_id is not None
         self.family = family
-        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        # NOTE: ids run to the largest one: with two ids spelling one token (some GGUF
+        # vocabularies), the vocabulary map that get_vocab_size counts holds fewer entries.
+        self.vocab_size = max(
+            hf.get_vocab_size(with_added_tokens=True),
+            max(hf.get_vocab(with_added_tokens=True).values(), default=-1) + 1,
+        )
         end_of_turn = [hf.token_to_id(t) for t in END_OF_TURN_TOKENS.get(family or "", ())]
         self.eos_token_ids = frozenset(
             i
