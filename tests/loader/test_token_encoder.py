@@ -5,6 +5,8 @@ bundled Gemma 3 vocabulary, the fallback to the full tokenizer, and the on-disk 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -145,7 +147,36 @@ def test_an_encoder_that_differs_is_not_used(
     monkeypatch.setattr(CompactTokenizer, "_encode", off_by_one)
     verdict = compact_encoding_tokenizer(full, path, lambda: full)
     assert isinstance(verdict, str) and "encodes" in verdict
-    assert isinstance(load_compact_tokenizer(path), Tokenizer)
+    # Built here: a child process would not see the patch.
+    assert isinstance(load_compact_tokenizer(path, build_elsewhere=False), Tokenizer)
+
+
+def test_the_first_load_builds_in_a_child_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process that loads a model's tokenizer for the first time gets the compact one without
+    ever holding (or importing) the full one: a child builds and caches it. A child that fails
+    leaves the build to the process itself."""
+    path = _random_spm_gguf(tmp_path / "spm.gguf", 7, True)
+    script = (
+        "import sys\n"
+        "from tidal.loader.token_encoder import load_compact_tokenizer\n"
+        "tok = load_compact_tokenizer(sys.argv[1])\n"
+        "print(type(tok).__name__, 'tokenizers' in sys.modules, tok.encode('abc b\u00e9'))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full = load_tokenizer(path)
+    assert proc.stdout.split(" ", 2) == ["CompactTokenizer", "False", f"{full.encode('abc bé')}\n"]
+    assert path.with_name(path.name + CompactTokenizer.CACHE_SUFFIX).is_file()
+
+    other = _random_spm_gguf(tmp_path / "other.gguf", 8, True)
+    monkeypatch.setattr(token_encoder, "_BUILD_COMMAND", (sys.executable, "-c", "exit(3)"))
+    with caplog.at_level("WARNING", logger="tidal.loader.token_decoder"):
+        assert isinstance(load_compact_tokenizer(other), CompactTokenizer)
+    assert "failed (exit 3)" in caplog.text
 
 
 def test_cache_is_read_back_and_keyed_to_the_kernel(

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import random
+import sys
 from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -354,12 +355,30 @@ def compact_encoding_tokenizer(
     return tok
 
 
-def load_compact_tokenizer(path: str | os.PathLike[str], family: str | None = None) -> Any:
+def load_compact_tokenizer(
+    path: str | os.PathLike[str], family: str | None = None, *, build_elsewhere: bool = True
+) -> Any:
     """The checkpoint's tokenizer for the API process: a CompactTokenizer where it encodes and
     decodes exactly as the full tokenizer does (checked once, the result cached beside the model
-    as `<model>.gguf.compact-tokenizer`), else the full tokenizer."""
+    as `<model>.gguf.compact-tokenizer`), else the full tokenizer. `build_elsewhere`: that
+    first build runs in a child process, so this one never holds the full tokenizer."""
     if _library() is None:  # no compiler (or TIDAL_KERNELS=0): no verdict to cache either
         from tidal.loader.tokenizer import load_tokenizer
 
         return load_tokenizer(path, family)
-    return load_cached_compact(path, family, CompactTokenizer, compact_encoding_tokenizer)
+    return load_cached_compact(
+        path,
+        family,
+        CompactTokenizer,
+        compact_encoding_tokenizer,
+        _BUILD_COMMAND if build_elsewhere else None,
+    )
+
+
+# What load_compact_tokenizer runs to build in a child process (the path and family appended).
+_BUILD_COMMAND = (
+    sys.executable,
+    "-c",
+    "import sys; from tidal.loader.token_encoder import load_compact_tokenizer; "
+    "load_compact_tokenizer(sys.argv[1], sys.argv[2] or None, build_elsewhere=False)",
+)
