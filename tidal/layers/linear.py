@@ -1,4 +1,5 @@
-"""fuse_linears: several projections of the same input as one module (fused q/k/v, gate/up)."""
+"""fuse_linears: several projections of the same input as one module (fused q/k/v, gate/up);
+linear_into: a projection written into a buffer the caller keeps."""
 
 from __future__ import annotations
 
@@ -42,3 +43,11 @@ def _fuse_dense(linears: list[nn.Linear]) -> nn.Linear | None:
         ]
         fused.bias = nn.Parameter(torch.cat(bias), False)
     return fused
+
+
+def linear_into(module: nn.Module, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """module(x), written into `out` where the module's weight format can write into a buffer
+    (a `forward_into(x, out)` method: tidal.quant's GGUF blocks); otherwise `out` is unused. The
+    returned tensor is the result either way."""
+    write = getattr(module, "forward_into", None) if out is not None else None
+    return write(x, out) if write is not None else module(x)

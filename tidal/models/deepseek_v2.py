@@ -9,6 +9,7 @@ from tidal.attention.metadata import AttentionMetadata
 from tidal.attention.torch_paged import KVPages
 from tidal.config.arch import FULL, ArchConfig
 from tidal.layers.attention import CosSin
+from tidal.layers.linear import linear_into
 from tidal.layers.mla_attention import MLAttention
 from tidal.layers.mlp import GatedMLP
 from tidal.layers.moe import SparseMoE
@@ -79,6 +80,6 @@ class DeepseekV2ForCausalLM(nn.Module):
             x = layer(x, cos_sin, meta, kv)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, hidden) -> (N, vocab) float32."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32, into `out` where the head's format can write there."""
+        return linear_into(self.lm_head, hidden, out).float()

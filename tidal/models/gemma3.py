@@ -8,6 +8,7 @@ from torch import nn
 from tidal.attention.metadata import AttentionMetadata
 from tidal.config.arch import ArchConfig
 from tidal.layers.attention import CosSin, KVCache, SelfAttention
+from tidal.layers.linear import linear_into
 from tidal.layers.mlp import GatedMLP
 from tidal.layers.native_decoder import NativeDecoder
 from tidal.layers.norm import RMSNorm
@@ -76,8 +77,9 @@ class Gemma3ForCausalLM(nn.Module):
                 x = layer(x, cos_sin[layer.self_attn.layer_type], meta, kv)
         return self.model.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(N, hidden) -> (N, vocab) float32, into `out` where the head's format can write there."""
+        logits = linear_into(self.lm_head, hidden, out).float()
         cap = self.arch.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -142,13 +142,18 @@ class GGUFLinear(nn.Module):
         return cls(parts, bias, linears[0].out_dtype, linears[0].act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_into(x, None)
+
+    def forward_into(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """forward(x), written into `out` (float32, (M, out_features), unit inner stride) where
+        the block kernel computes it; the returned tensor is the result either way."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)  # (M, K)
         if x2.dtype != torch.float32:
             x2 = x2.float()
         y = None
         if self._act == "q8" or x2.shape[0] <= F32_KERNEL_MAX_ROWS:
-            y = gguf_gemm(x2, self.parts, self._act)
+            y = gguf_gemm(x2, self.parts, self._act, out=out)
         if y is None:
             y = self._tiled_matmul(x2)
         if self.bias is not None:
