@@ -59,6 +59,25 @@ def test_cost_model_recovers_the_true_coefficients() -> None:
     assert model.predict_s(probe) == pytest.approx(true_cost(probe), rel=0.01)
 
 
+@pytest.mark.parametrize("window,decay", [(64, 0.9), (5, 0.5), (7, 1.0)])
+def test_cost_model_updates_the_fit_as_a_refit_of_its_window_would(
+    window: int, decay: float
+) -> None:
+    """The normal equations are updated step by step (steps leaving the window taken out): they
+    stay the window's own, and the coefficients a refit of that window gives."""
+    model = StepCostModel(window=window, decay=decay)
+    for i in range(3 * window + 2):  # a window refilled twice, and not at a full-window point
+        shape = StepShape((i * 37) % 300, (i * 5) % 17, (i * 7919) % 200_000)
+        model.observe(shape, true_cost(shape) * (1.0 + 0.2 * ((i * 13) % 7 - 3) / 3))
+        ata, aty = model._normal_equations()
+        assert model._aty == pytest.approx(aty, rel=1e-9, abs=1e-12)
+        for row, exact in zip(model._ata, ata, strict=True):
+            assert row == pytest.approx(exact, rel=1e-9, abs=1e-12)
+    updated = model.coefficients
+    model._ata, model._aty = model._normal_equations()
+    assert updated == pytest.approx(model._fit(), rel=1e-9, abs=1e-12)
+
+
 def test_cost_model_keeps_costs_non_negative_and_ignores_bad_times() -> None:
     model = StepCostModel()
     for i in range(20):  # time falls with prefill tokens: a negative slope is refused
