@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import queue
 import threading
 import time
@@ -13,6 +12,7 @@ from multiprocessing.connection import wait
 from tidal.config.engine import EngineConfig
 from tidal.engine.messages import EngineFailed, EngineReady
 from tidal.engine.process import run_engine_process
+from tidal.supervisor.child_process import ChildProcess
 from tidal.supervisor.standby import StartEngine, run_standby_process
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,8 @@ def exit_text(exitcode: int | None) -> str:
 
 
 class EngineHandle:
-    """Spawns `run_engine_process` with the "spawn" start method (never fork: torch threads).
+    """Runs `run_engine_process` in a fresh Python process (tidal.supervisor.child_process; never
+    a fork: torch threads).
 
     The API process never blocks on the pipe: a writer thread sends commands (a hung engine
     stops reading and a full pipe would otherwise stall the event loop) and a reader thread
@@ -55,22 +56,15 @@ class EngineHandle:
         log_level: int = logging.INFO,
     ) -> None:
         """Spawn an engine process; incarnation None spawns a standby (see `activate`)."""
-        ctx = multiprocessing.get_context("spawn")
         self.incarnation = incarnation
-        self.conn, child_conn = ctx.Pipe(duplex=True)
+        kwargs = dict(config=config, log_level=log_level, spawned_at=time.time())
         if incarnation is None:
-            target, args = run_standby_process, (config, child_conn, log_level, time.time())
+            target = run_standby_process
         else:
             target = run_engine_process
-            args = (config, child_conn, incarnation, warmup, fault, log_level, time.time())
-        self.process = ctx.Process(
-            target=target,
-            args=args,
-            name=f"tidal-engine-{'standby' if incarnation is None else incarnation}",
-            daemon=True,  # dies with the API process
-        )
-        self.process.start()
-        child_conn.close()  # only the child holds its end: its death closes the pipe
+            kwargs.update(incarnation=incarnation, warmup=warmup, fault=fault)
+        self.process = ChildProcess(target, kwargs)  # killed when the API process exits
+        self.conn = self.process.conn
         self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
 
     @property
