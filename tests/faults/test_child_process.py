@@ -81,6 +81,7 @@ def test_the_child_imports_from_the_parents_path_and_starts_no_tracker(tmp_path:
 
 
 def test_a_child_still_running_when_the_parent_exits_is_killed() -> None:
+    """As multiprocessing killed its daemonic children, even one whose handle is gone."""
     script = textwrap.dedent(
         """
         from tests.faults.test_child_process import wait_forever
@@ -89,6 +90,7 @@ def test_a_child_still_running_when_the_parent_exits_is_killed() -> None:
         child = ChildProcess(wait_forever, {})
         assert child.conn.recv() == "up"
         print(child.pid, flush=True)
+        del child  # a dropped handle: the child is still this process's to kill at exit
         """
     )
     out = subprocess.run(

@@ -22,12 +22,13 @@ import contextlib
 import os
 import subprocess
 import sys
-import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, Pipe
 from typing import Any
 
-_LIVE: weakref.WeakSet[ChildProcess] = weakref.WeakSet()
+# Every child not yet seen to exit, held here (not by its ChildProcess alone) so that one whose
+# handle was dropped is still killed when this process exits.
+_LIVE: set[subprocess.Popen[bytes]] = set()
 
 
 class ChildProcess:
@@ -41,7 +42,7 @@ class ChildProcess:
         self.conn, child = Pipe(duplex=True)
         try:
             fd = child.fileno()
-            flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+            flags = getattr(subprocess, "_args_from_interpreter_flags", list)()  # -B, -X, ...
             self._popen = subprocess.Popen(
                 [sys.executable, *flags, "-m", "tidal.supervisor.child_process", str(fd)],
                 pass_fds=(fd,),
@@ -52,7 +53,7 @@ class ChildProcess:
         self.pid = self._popen.pid
         with contextlib.suppress(AttributeError, OSError):  # not Linux, or a kernel before 5.3
             self._pidfd = os.pidfd_open(self.pid)
-        _LIVE.add(self)
+        _LIVE.add(self._popen)
         # A child that died at once shows as dead to is_alive() and the pipe's reader.
         with contextlib.suppress(OSError):
             self.conn.send(list(sys.path))  # before the target: unpickling it imports its module
@@ -75,6 +76,7 @@ class ChildProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self._popen.wait(timeout)
         if self._popen.returncode is not None:
+            _LIVE.discard(self._popen)
             self._close_pidfd()
 
     def kill(self) -> None:
@@ -93,9 +95,12 @@ class ChildProcess:
 
 @atexit.register
 def _kill_children() -> None:
-    for child in list(_LIVE):
-        child.kill()
-        child.join(timeout=10)
+    for popen in list(_LIVE):
+        if popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                popen.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            popen.wait(10)
 
 
 def _main() -> None:
