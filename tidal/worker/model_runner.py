@@ -19,6 +19,10 @@ from tidal.scheduler.output import SchedulerOutput
 from tidal.structured.matchers import GrammarMatchers, bitmask_words
 from tidal.worker.kv_cache import allocate_kv_caches
 
+# Scored prompt rows whose logits are computed at once (64 MiB of float32 for a 262k-token
+# vocabulary); prompt_logprobs then takes them in float64.
+PROMPT_LOGITS_ROWS = 64
+
 
 @dataclass(slots=True)
 class TokenLogprobs:
@@ -61,12 +65,6 @@ class StepInputs:
     block_tables: list[list[list[int]]]  # per request, per KV group
     sample_rows: list[int]  # flat token indices whose logits are sampled, in row order
     prompt_spans: list[tuple[int, int]]  # (flat start, count) of prompt positions to score
-
-
-@dataclass(slots=True)
-class StepLogits:
-    sample: torch.Tensor | None  # (len(sample_rows), vocab) float32
-    prompt: list[torch.Tensor]  # per prompt span, (count, vocab) float32
 
 
 class ModelRunner:
@@ -123,8 +121,16 @@ class ModelRunner:
         return gen
 
     @torch.inference_mode()
-    def forward(self, inputs: StepInputs) -> StepLogits:
-        """The model over one step's tokens and the logits of the sampled and scored rows.
+    def forward(
+        self,
+        inputs: StepInputs,
+        on_prompt_logits: Callable[[int, int, torch.Tensor], None] | None = None,
+    ) -> torch.Tensor | None:
+        """The model over one step's tokens: the sampled rows' logits ((len(sample_rows),
+        vocab) float32, None without any). The scored prompt rows' logits are computed
+        PROMPT_LOGITS_ROWS at a time and handed to on_prompt_logits(span, first row, logits)
+        one block at a time: a 1,000-token prompt's logits whole were 1 GiB for a 262k-token
+        vocabulary.
 
         NOTE: with tensor parallelism every rank calls this with the same inputs: its
         collectives (all-reduces in the layers, all-gathers of logits) must come in one order."""
@@ -143,8 +149,13 @@ class ModelRunner:
             rows = torch.tensor(inputs.sample_rows, device=self.device)
             out = self._logits_out(len(inputs.sample_rows))
             sample = self.model.compute_logits(hidden[rows], out)
-        prompt = [self.model.compute_logits(hidden[a : a + n]) for a, n in inputs.prompt_spans]
-        return StepLogits(sample, prompt)
+        for span, (a, n) in enumerate(inputs.prompt_spans):
+            for row in range(0, n, PROMPT_LOGITS_ROWS):
+                end = min(n, row + PROMPT_LOGITS_ROWS)
+                logits = self.model.compute_logits(hidden[a + row : a + end])
+                if on_prompt_logits is not None:
+                    on_prompt_logits(span, row, logits)
+        return sample
 
     def _logits_out(self, num_rows: int) -> torch.Tensor | None:
         """Where the sampled rows' logits go: rows of one float32 buffer kept from step to step,
@@ -219,8 +230,34 @@ class ModelRunner:
         )
         if on_inputs is not None:
             on_inputs(inputs)
+
+        scored = {sr.request.request_id: sr.request for sr in sched.scheduled}
+
+        def score_prompt(span: int, row: int, logits: torch.Tensor) -> None:
+            """The prompt logprobs of one block of a span's rows (`row`: its first)."""
+            rid, _, first, _ = prompt_rows[span]
+            req = scored[rid]
+            k = req.sampling_params.prompt_logprobs or 0
+            pos = first + 1 + row  # logits at position p predict token p + 1
+            targets = req.prompt_token_ids[pos : pos + logits.shape[0]]
+            pl = prompt_logprobs(logits, torch.tensor(targets, device=self.device), max(k, 1))
+            entries = out.prompt_logprobs.setdefault(rid, [])
+            for j, token in enumerate(targets):
+                entries.append(
+                    (
+                        pos + j,
+                        TokenLogprobs(
+                            token,
+                            float(pl.target_logprobs[j]),
+                            int(pl.target_ranks[j]),
+                            pl.top_ids[j, :k].tolist(),
+                            pl.top_logprobs[j, :k].tolist(),
+                        ),
+                    )
+                )
+
         try:
-            logits = self.forward(inputs)
+            sample_logits = self.forward(inputs, score_prompt if prompt_rows else None)
         finally:
             masks = None if masks_future is None else masks_future.result()
         if self._moe_layers:
@@ -234,8 +271,8 @@ class ModelRunner:
                 if rid in which:
                     row.grammar_bitmask = bitmasks[which[rid]]
         if rows:
-            assert logits.sample is not None
-            result = self.sampler(logits.sample, rows)
+            assert sample_logits is not None
+            result = self.sampler(sample_logits, rows)
             tokens = result.token_ids.tolist()
             for i, rid in enumerate(row_ids):
                 out.sampled[rid] = tokens[i]
@@ -250,25 +287,4 @@ class ModelRunner:
                         if result.top_logprobs is not None
                         else [],
                     )
-        for (rid, _, first, n), span_logits in zip(prompt_rows, logits.prompt, strict=True):
-            req = next(sr.request for sr in sched.scheduled if sr.request.request_id == rid)
-            k = req.sampling_params.prompt_logprobs or 0
-            targets = torch.tensor(
-                req.prompt_token_ids[first + 1 : first + 1 + n], device=self.device
-            )
-            pl = prompt_logprobs(span_logits, targets, max(k, 1))
-            entries = out.prompt_logprobs.setdefault(rid, [])
-            for j in range(n):
-                entries.append(
-                    (
-                        first + 1 + j,
-                        TokenLogprobs(
-                            int(targets[j]),
-                            float(pl.target_logprobs[j]),
-                            int(pl.target_ranks[j]),
-                            pl.top_ids[j, :k].tolist(),
-                            pl.top_logprobs[j, :k].tolist(),
-                        ),
-                    )
-                )
         return out
