@@ -307,3 +307,20 @@ def test_logit_bias_out_of_range_is_refused(bias: dict, message: str) -> None:
     with pytest.raises(ValueError, match="logit_bias") as e:
         SamplingParams(logit_bias=bias)
     assert message in str(e.value)
+
+
+def test_unseeded_draws_reuse_one_scratch_and_release_it() -> None:
+    """The inverse-CDF weights live in one buffer kept across steps (a fresh (R, V) tensor per
+    step was page-faulted in every time); top-k draws only over the k candidates."""
+    s = _sampler()
+    logits = torch.randn(4, V)
+    rows = [_row(temperature=0.8) for _ in range(4)]
+    s(logits, rows)
+    first = s._weights
+    assert first is not None and tuple(first.shape) == (4, V)
+    s(logits[:3], rows[:3])
+    assert s._weights is first  # fewer rows: a view of the same buffer
+    s(logits, [_row(temperature=0.8, top_k=5) for _ in range(4)])
+    assert tuple(s._weights.shape) == (4, 5)  # the candidates' width, not the vocabulary's
+    s.release()
+    assert s._weights is None

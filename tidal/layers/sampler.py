@@ -123,6 +123,7 @@ class Sampler:
         self.device = torch.device(device)
         self.generator = torch.Generator(device=self.device)
         self.generator.seed()
+        self._weights: torch.Tensor | None = None  # _draw_unseeded's scratch
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample one token per row of `logits` (B, >= vocab_size); padded vocab columns are ignored."""
@@ -260,51 +261,122 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Draw one token per row (all rows non-greedy). (R, V) -> (R,)"""
         dev = logits.device
-        temps = torch.tensor([r.params.temperature for r in rows], device=dev)
-        logits = logits / temps[:, None]
+        temps = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
         top_k = [r.params.top_k for r in rows]
         top_p = [r.params.top_p for r in rows]
-        if any(0 < k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = self._top_k_top_p(logits, top_k, top_p)
         min_p = [r.params.min_p for r in rows]
-        if any(p > 0.0 for p in min_p):
-            # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); no softmax needed.
-            min_p_t = torch.tensor(min_p, device=dev)[:, None]
-            cutoff = logits.max(dim=-1, keepdim=True).values + torch.log(min_p_t)
-            logits = logits.masked_fill(logits < cutoff, float("-inf"))
-        # A row with no finite logit (the model gave -inf everywhere) becomes uniform, not NaN.
-        dead = ~torch.isfinite(logits.max(dim=-1, keepdim=True).values)
-        logits = logits.masked_fill(dead, 0.0)
-        probs = torch.softmax(logits, dim=-1)  # (R, V)
+        filtered = (
+            any(0 < k < logits.shape[1] for k in top_k)
+            or any(p < 1.0 for p in top_p)
+            or any(p > 0.0 for p in min_p)
+        )
+        # With a filter: the tempered, filtered logits of each row's candidates, (R, K), at the
+        # token ids `order` (None: every id in order, K = V). top-k keeps K = max(k) columns, so
+        # nothing below draws over the whole vocabulary.
+        cands: torch.Tensor | None = None
+        order: torch.Tensor | None = None
+        if filtered:
+            cands = logits / temps
+            if any(0 < k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):
+                cands, order = self._top_k_top_p(cands, top_k, top_p)
+            if any(p > 0.0 for p in min_p):
+                # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); no softmax needed.
+                min_p_t = torch.tensor(min_p, device=dev)[:, None]
+                cutoff = cands.max(dim=-1, keepdim=True).values + torch.log(min_p_t)
+                cands = cands.masked_fill(cands < cutoff, float("-inf"))
+
+        def draw(index: torch.Tensor | None) -> torch.Tensor:
+            """Unseeded draws for the rows `index` (None: all)."""
+            if cands is None:
+                source, scale = logits, temps
+            else:
+                source, scale = cands, None
+            if index is not None:
+                source = source[index]
+                scale = None if scale is None else scale[index]
+            picked = self._draw_unseeded(source, scale)
+            if order is None:
+                return picked
+            ids = order if index is None else order[index]
+            return ids.gather(1, picked[:, None]).squeeze(1)
 
         token_ids = torch.empty(len(rows), dtype=torch.int64, device=dev)
         unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            # Inverse CDF: one uniform per row instead of V exponentials (far cheaper on CPU).
+        if len(unseeded) == len(rows):
+            token_ids = draw(None)
+        elif unseeded:
             idx = torch.tensor(unseeded, device=dev)
-            cdf = (probs if len(unseeded) == len(rows) else probs[idx]).cumsum(dim=-1)  # (U, V)
-            u = torch.rand(len(unseeded), 1, device=dev, generator=self.generator) * cdf[:, -1:]
-            # right=True picks the first i with cdf[i] > u, so a zero-probability token never wins.
-            picked = (
-                torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
-            )
-            token_ids[idx] = picked
+            token_ids[idx] = draw(idx)
         for i, row in enumerate(rows):
             if row.generator is None:
                 continue
+            if cands is None:
+                row_logits = logits[i] / temps[i]
+            elif order is None:
+                row_logits = cands[i]
+            else:
+                row_logits = torch.full_like(logits[i], float("-inf")).scatter_(
+                    0, order[i], cands[i]
+                )
+            # A row with no finite logit (the model gave -inf everywhere) becomes uniform, not NaN.
+            if not torch.isfinite(row_logits.max()):
+                row_logits = torch.zeros_like(row_logits)
+            probs = torch.softmax(row_logits, dim=-1)
             # Exponential race with V draws from the row's own generator every step: only
             # elementwise work on the row, so the token cannot depend on the rest of the batch.
-            noise = torch.empty_like(probs[i]).exponential_(generator=row.generator)
+            noise = torch.empty_like(probs).exponential_(generator=row.generator)
             # NOTE: exponential_ may return 0; clamping keeps p / q finite (0 / q == 0 for masked p).
             noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-            token_ids[i] = (probs[i] / noise).argmax()
+            token_ids[i] = (probs / noise).argmax()
         return token_ids
 
+    def _draw_unseeded(self, logits: torch.Tensor, temps: torch.Tensor | None) -> torch.Tensor:
+        """One token per row of softmax(logits / temps) (temps None: already divided) by the
+        inverse CDF: w = exp((l - max) / T) and its running sum in one buffer kept across steps,
+        then one uniform per row from the sampler's generator. A row with no finite logit draws
+        uniformly.
+
+        NOTE: softmax, cumsum and the temperature each made a fresh (R, V) tensor, 32 MiB for 32
+        rows of a 262k-token vocabulary: each mapped and page-faulted afresh, so sampling 32
+        rows took longer than the model's step."""
+        rows, vocab = logits.shape
+        peak = logits.max(dim=-1, keepdim=True).values
+        dead = ~torch.isfinite(peak)
+        peak = peak.masked_fill(dead, 0.0)
+        w = self._weights_buffer(rows, vocab, logits)
+        torch.sub(logits, peak, out=w)
+        if temps is not None:
+            w.div_(temps)
+        w.exp_()
+        if logits.device.type != "cpu" or bool(dead.any()):  # (no host sync off the CPU)
+            w.masked_fill_(dead, 1.0)
+        w.cumsum_(dim=-1)
+        u = torch.rand(rows, 1, device=logits.device, generator=self.generator) * w[:, -1:]
+        # right=True picks the first i with cdf[i] > u, so a zero-probability token never wins.
+        return torch.searchsorted(w, u, right=True).squeeze(1).clamp_(max=vocab - 1)
+
+    def _weights_buffer(self, rows: int, vocab: int, like: torch.Tensor) -> torch.Tensor:
+        """(rows, vocab) float32 scratch for _draw_unseeded, kept across steps (grown to the
+        widest; `release()` lets it go)."""
+        buf = self._weights
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != vocab or buf.device != like.device:
+            buf = self._weights = torch.empty(rows, vocab, dtype=torch.float32, device=like.device)
+        return buf[:rows]
+
+    def release(self) -> None:
+        """Let the sampling scratch go (the engine idles)."""
+        self._weights = None
+
     @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-        # Work in descending-sorted space: keep the first k, then the smallest prefix whose mass
-        # reaches top_p (the most likely token always survives), then scatter back. When every row
-        # has a top_k, only the best max(k) candidates are sorted (topk), not the whole vocab.
+    def _top_k_top_p(
+        logits: torch.Tensor, top_k: list[int], top_p: list[float]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(candidates' logits (R, K), their token ids (R, K)), best first, the ones top-k and
+        top-p drop at -inf.
+
+        Works in descending-sorted space: keep the first k, then the smallest prefix whose mass
+        reaches top_p (the most likely token always survives). When every row has a top_k, only
+        the best max(k) candidates are sorted (topk), not the whole vocab."""
         vocab = logits.shape[1]
         dev = logits.device
         ks = [k if 0 < k < vocab else vocab for k in top_k]
@@ -320,5 +392,4 @@ class Sampler:
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs
         drop = (mass_before >= p) & (position > 0)
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.full_like(logits, float("-inf")).scatter_(1, order, sorted_logits)
+        return sorted_logits.masked_fill(drop, float("-inf")), order

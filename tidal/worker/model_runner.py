@@ -183,6 +183,7 @@ class ModelRunner:
         out = RunnerOutput()
         if sched.is_empty:
             self._logits = None
+            self.sampler.release()
             return out
         ids: list[int] = []
         positions: list[int] = []
