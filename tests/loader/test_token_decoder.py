@@ -18,7 +18,7 @@ from tests.loader.test_tokenizer import (
     _sentencepiece_gguf,
     write_sentencepiece_gguf,
 )
-from tidal.loader import token_decoder, tokenizer
+from tidal.loader import compact_cache, token_decoder, tokenizer
 from tidal.loader.token_decoder import (
     CACHE_SUFFIX,
     TokenDecoder,
@@ -227,11 +227,11 @@ def test_unwritable_model_directory_uses_the_cache_directory(
 ) -> None:
     path = _sentencepiece_gguf(tmp_path / "spm.gguf", None)
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
-    real_write = token_decoder._write_cache
+    real_write = compact_cache._write_cache
 
     def refuse_beside(cache_path: Path, key: dict, result: object) -> bool:
         return False if cache_path.parent == tmp_path else real_write(cache_path, key, result)
 
-    monkeypatch.setattr(token_decoder, "_write_cache", refuse_beside)
+    monkeypatch.setattr(compact_cache, "_write_cache", refuse_beside)
     assert isinstance(load_token_decoder(path), TokenDecoder)
     assert list((tmp_path / "cache" / "tokenizers").glob(f"spm.gguf-*{CACHE_SUFFIX}"))

@@ -33,11 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from tidal.loader.chat_template import ChatTemplating
-from tidal.loader.token_decoder import (
-    TokenDecoder,
-    compact_tokenizer,
-    load_cached_compact,
-)
+from tidal.loader.compact_cache import load_cached_compact
+from tidal.loader.token_decoder import TokenDecoder, compact_tokenizer
 
 # Bump when the file layout or what encode does changes, so old files are rebuilt (the C
 # source's digest is part of the key as well).
