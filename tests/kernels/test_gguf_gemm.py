@@ -19,6 +19,7 @@ from gguf import quants as gq
 
 from tidal.kernels import gguf_gemm as gg
 from tidal.kernels.bench_gguf import random_blocks
+from tidal.kernels.build import cpu_flags
 from tidal.kernels.isa import ISA_CPU_FLAGS
 
 pytestmark = pytest.mark.skipif(not gg.available(), reason="no C compiler: the torch fallback runs")
@@ -240,7 +241,7 @@ def test_dequantize_into_rows_of_a_wider_buffer(t: Q) -> None:
 def test_isas_and_the_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ISAS[-1] == "scalar" and gg.default_isa() == ISAS[0]
     assert ISAS == sorted(ISAS, key=gg._ISA_CODES.get, reverse=True)  # best first
-    if ISA_CPU_FLAGS["avx512"] <= gg.cpu_flags() and gg._library().tidal_gguf_has_avx512():
+    if ISA_CPU_FLAGS["avx512"] <= cpu_flags() and gg._library().tidal_gguf_has_avx512():
         assert ISAS[0] == "avx512"
     # each name is a ceiling: the best path at or below it (=avx512 on an AVX2 machine: avx2)
     expect = {

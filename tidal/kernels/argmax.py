@@ -7,8 +7,8 @@ import functools
 
 import torch
 
-from tidal.kernels.build import cpu_flags, load
-from tidal.kernels.isa import ISA_NAMES, default_path, runnable_paths
+from tidal.kernels.build import load
+from tidal.kernels.isa import ISA_NAMES, default_path, library_paths
 
 _word = ctypes.c_void_p
 
@@ -21,7 +21,6 @@ def _library() -> ctypes.CDLL | None:
     lib.tidal_argmax_rows.restype = ctypes.c_int
     # x, ld, n, B, out, isa, threads
     lib.tidal_argmax_rows.argtypes = [_word] * 7
-    lib.tidal_argmax_has_avx2.restype = ctypes.c_int
     return lib
 
 
@@ -32,10 +31,7 @@ def available() -> bool:
 @functools.cache
 def isas() -> list[str]:
     """The paths this machine runs, best first ([] without the library)."""
-    lib = _library()
-    if lib is None:
-        return []
-    return runnable_paths({"avx2": bool(lib.tidal_argmax_has_avx2())}, cpu_flags())
+    return library_paths(_library(), "tidal_argmax")
 
 
 @functools.cache

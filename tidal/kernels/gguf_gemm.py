@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidal.kernels.build import cpu_flags, load
-from tidal.kernels.isa import ISA_NAMES, default_path, runnable_paths
+from tidal.kernels.build import load
+from tidal.kernels.isa import ISA_NAMES, default_path, library_paths
 
 # ggml type numbers as in tidal.quant.gguf_types.GGMLType (an IntEnum: its members work here;
 # kernels/ sits below loader/ in the layering, hence plain ints): name, elements, bytes per block.
@@ -166,8 +166,6 @@ def _library() -> ctypes.CDLL | None:
     lib.tidal_gguf_dequantize.restype = ctypes.c_int
     # blocks, ggml type, K, ids or NULL, start, count, out, ldo, isa, threads
     lib.tidal_gguf_dequantize.argtypes = [_word] * 10
-    lib.tidal_gguf_has_avx2.restype = ctypes.c_int
-    lib.tidal_gguf_has_avx512.restype = ctypes.c_int
     return lib
 
 
@@ -178,11 +176,7 @@ def available() -> bool:
 @functools.cache
 def isas() -> list[str]:
     """The kernel paths this machine runs, best first, "scalar" last ([] without the library)."""
-    lib = _library()
-    if lib is None:
-        return []
-    built = {"avx512": bool(lib.tidal_gguf_has_avx512()), "avx2": bool(lib.tidal_gguf_has_avx2())}
-    return runnable_paths(built, cpu_flags())
+    return library_paths(_library(), "tidal_gguf")
 
 
 @functools.cache

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
+
+from tidal.kernels.build import cpu_flags
 
 # The `isa` argument every C kernel takes; a higher code needs everything a lower one does.
 # A kernel without a path for some code runs its best one below it (the decoder's elementwise
@@ -39,6 +42,21 @@ def runnable_paths(built: dict[str, bool], flags: frozenset[str]) -> list[str]:
     "scalar" (always built) last."""
     names = sorted(built, key=lambda name: -ISA_NAMES[name])
     return [*(n for n in names if built[n] and ISA_CPU_FLAGS[n] <= flags), "scalar"]
+
+
+def library_paths(lib: ctypes.CDLL | None, prefix: str) -> list[str]:
+    """The paths a kernel library runs here, best first, "scalar" last ([] without the
+    library): each path P it reports built through `<prefix>_has_P()` (where it defines one)
+    whose CPU flags this machine has."""
+    if lib is None:
+        return []
+    built = {}
+    for name in ("avx512", "avx2"):
+        has = getattr(lib, f"{prefix}_has_{name}", None)
+        if has is not None:
+            has.restype = ctypes.c_int
+            built[name] = bool(has())
+    return runnable_paths(built, cpu_flags())
 
 
 def default_path(paths: list[str]) -> str:
