@@ -7,10 +7,18 @@ import math
 import pytest
 import torch
 
+from tidal.kernels import sample as native_sample
 from tidal.layers.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
 from tidal.sampling_params import SamplingParams
 
 V = 8
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def sampler_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test on the C kernels' path (where this machine builds them) and on torch's."""
+    monkeypatch.setattr(Sampler, "use_kernels", request.param == "kernel")
+    return request.param
 
 
 def _row(
@@ -309,10 +317,15 @@ def test_logit_bias_out_of_range_is_refused(bias: dict, message: str) -> None:
     assert message in str(e.value)
 
 
-def test_unseeded_draws_reuse_one_scratch_and_release_it() -> None:
+def test_unseeded_draws_reuse_one_scratch_and_release_it(sampler_path: str) -> None:
     """The inverse-CDF weights live in one buffer kept across steps (a fresh (R, V) tensor per
-    step was page-faulted in every time); top-k draws only over the k candidates."""
+    step was page-faulted in every time); top-k draws only over the k candidates. The C
+    kernels need no scratch at all."""
     s = _sampler()
+    if sampler_path == "kernel" and native_sample.available():
+        s(torch.randn(4, V), [_row(temperature=0.8, top_p=0.5) for _ in range(4)])
+        assert s._weights is None
+    s.use_kernels = False
     logits = torch.randn(4, V)
     rows = [_row(temperature=0.8) for _ in range(4)]
     s(logits, rows)

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from tidal.kernels import sample as native_sample
 from tidal.kernels.argmax import argmax_rows
 from tidal.kernels.token_mask import apply_token_bitmask_
 from tidal.sampling_params import SamplingParams
@@ -116,6 +117,9 @@ class Sampler:
     one uniform each from the sampler's generator (V exponentials per row are costly on CPU).
     """
 
+    # False: torch ops only, even where the C kernels take the logits (tests compare the two)
+    use_kernels: bool = True
+
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size={vocab_size!r} is invalid: expected an integer >= 1")
@@ -135,8 +139,11 @@ class Sampler:
         logits = self._apply_logit_bias(logits, rows)
         out = SamplerOutput(token_ids=torch.empty(0))
         num_logprobs = [r.params.logprobs for r in rows if r.params.logprobs is not None]
-        if num_logprobs:
-            raw = torch.log_softmax(logits, dim=-1)  # (B, V), before any policy is applied
+        if num_logprobs:  # of the distribution before any policy is applied
+            biased = logits
+            # (B,); None: torch's log_softmax
+            lse = native_sample.logsumexp_rows(logits) if self.use_kernels else None
+            raw = torch.log_softmax(logits, dim=-1) if lse is None else None  # (B, V)
         logits = self._apply_penalties(logits, rows)
         logits = self._apply_grammar(logits, rows)
         logits = self._suppress_stops(logits, rows)
@@ -157,9 +164,19 @@ class Sampler:
 
         if num_logprobs:
             k = max(num_logprobs)
-            out.logprobs = raw.gather(1, token_ids[:, None]).squeeze(1)
-            out.ranks = _rank(raw, out.logprobs)
-            out.top_logprobs, out.top_ids = raw.topk(k, dim=-1)
+            if raw is not None:
+                out.logprobs = raw.gather(1, token_ids[:, None]).squeeze(1)
+                out.ranks = _rank(raw, out.logprobs)
+                out.top_logprobs, out.top_ids = raw.topk(k, dim=-1)
+                return out
+            # log_softmax(x) = x - lse, whose order is x's: no (B, V) tensor
+            chosen = biased.gather(1, token_ids[:, None]).squeeze(1)
+            out.logprobs = chosen - lse
+            above = native_sample.count_greater(biased, chosen)
+            out.ranks = _rank(biased, chosen) if above is None else above + 1
+            top = native_sample.topk_rows(biased, k) if k else None
+            values, out.top_ids = biased.topk(k, dim=-1) if top is None else top
+            out.top_logprobs = values - lse[:, None]
         return out
 
     def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -259,7 +276,69 @@ class Sampler:
         return torch.where(dead[:, None], logits, suppressed)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Draw one token per row (all rows non-greedy). (R, V) -> (R,)"""
+        """Draw one token per row (all rows non-greedy). (R, V) -> (R,)
+
+        Unseeded rows go to the C kernel where it takes the logits (CPU float32), seeded ones and
+        every row elsewhere to torch."""
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if not (unseeded and self.use_kernels and native_sample.available()) or logits.is_cuda:
+            return self._sample_torch(logits, rows)
+        if len(unseeded) == len(rows):
+            drawn = self._draw_native(logits, rows, None)
+            return self._sample_torch(logits, rows) if drawn is None else drawn
+        drawn = self._draw_native(logits, [rows[i] for i in unseeded], unseeded)
+        if drawn is None:
+            return self._sample_torch(logits, rows)
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None]
+        token_ids = torch.empty(len(rows), dtype=torch.int64)
+        token_ids[unseeded] = drawn
+        idx = torch.tensor(seeded)
+        token_ids[seeded] = self._sample_torch(logits[idx], [rows[i] for i in seeded])
+        return token_ids
+
+    def _draw_native(
+        self, logits: torch.Tensor, rows: list[SamplingRow], picked: list[int] | None
+    ) -> torch.Tensor | None:
+        """The kernel's draws for `rows` (logits rows `picked`, None: all), one uniform each
+        from the sampler's generator; None where the kernel cannot take the logits. Rows with a
+        top-k draw over torch.topk's (or the kernel's) best max(k) candidates, the others over
+        the whole row, no (R, V) tensor made either way."""
+        vocab = logits.shape[1]
+        index = list(range(len(rows))) if picked is None else picked
+        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
+        temps = [r.params.temperature for r in rows]
+        top_p = [min(r.params.top_p, 1.0) for r in rows]
+        min_p = [r.params.min_p for r in rows]
+        ks = [r.params.top_k if 0 < r.params.top_k < vocab else 0 for r in rows]
+        token_ids = torch.empty(len(rows), dtype=torch.int64)
+        whole = [j for j, k in enumerate(ks) if k == 0]
+        if whole:
+            got = native_sample.sample_rows(
+                logits, [temps[j] for j in whole], [top_p[j] for j in whole],
+                [min_p[j] for j in whole], u[whole], rows=[index[j] for j in whole],
+            )  # fmt: skip
+            if got is None:
+                return None
+            token_ids[whole] = got
+        cut = [j for j, k in enumerate(ks) if k > 0]
+        if cut:
+            widest = max(ks[j] for j in cut)
+            at = [index[j] for j in cut]
+            found = native_sample.topk_rows(logits, widest, rows=at)
+            if found is None:
+                found = logits[torch.tensor(at)].topk(widest, dim=-1)
+            values, ids = found
+            got = native_sample.sample_rows(
+                values.contiguous(), [temps[j] for j in cut], [top_p[j] for j in cut],
+                [min_p[j] for j in cut], u[cut], top_k=[ks[j] for j in cut],
+            )  # fmt: skip
+            if got is None:
+                return None
+            token_ids[cut] = ids.gather(1, got[:, None]).squeeze(1)
+        return token_ids
+
+    def _sample_torch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """_sample in torch ops: every device, and seeded rows everywhere."""
         dev = logits.device
         temps = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
         top_k = [r.params.top_k for r in rows]
