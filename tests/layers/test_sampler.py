@@ -162,16 +162,20 @@ def _run_batched(
 
 def test_seeded_rows_give_the_same_tokens_alone_and_in_any_batch() -> None:
     torch.manual_seed(1)
-    steps = [torch.randn(5, V) for _ in range(6)]
-    kinds = [dict(seed=7), dict(seed=8, top_k=3), dict(temperature=0.0), dict(), dict(seed=9)]
+    steps = [torch.randn(7, V) for _ in range(6)]
+    kinds = [
+        dict(seed=7), dict(seed=8, top_k=3), dict(temperature=0.0), dict(), dict(seed=9),
+        dict(seed=10, top_p=0.6), dict(seed=11, top_k=5, min_p=0.2, top_p=0.9),
+    ]  # fmt: skip
+    seeded = (0, 1, 4, 5, 6)
 
     def run(order: list[int]) -> dict[int, list[int]]:
         return _run_batched(steps, kinds, order)
 
-    alone = {i: run([i])[i] for i in (0, 1, 4)}
-    for order in ([0, 1, 2, 3, 4], [4, 3, 0], [1, 2, 4, 0]):
+    alone = {i: run([i])[i] for i in seeded}
+    for order in ([0, 1, 2, 3, 4, 5, 6], [4, 3, 0], [1, 2, 4, 0], [6, 1, 5, 3], [5, 6]):
         batched = run(order)
-        for i in (0, 1, 4):
+        for i in seeded:
             if i in order:
                 assert batched[i] == alone[i], (order, i)
     assert alone[0] != alone[4]

@@ -111,10 +111,12 @@ class Sampler:
     model, not the sampling policy, and stay comparable across requests with different parameters.
     The grammar mask only touches the constrained rows: the others' logits stay bit-identical.
 
-    A seeded row draws with the exponential race, argmax(probs / q) with q ~ Exp(1) per token, its
-    whole q vector from its own generator every step, so its tokens depend only on its seed and
-    its logits, never on which other rows share the batch. Unseeded rows draw by inverse CDF with
-    one uniform each from the sampler's generator (V exponentials per row are costly on CPU).
+    On the CPU every row draws in the C kernel (tidal/kernels/sample.c) by the inverse CDF of one
+    uniform: a seeded row's from its own generator, the others' from the sampler's. The kernel's
+    result depends on the row's logits and uniform alone, so a seeded row's tokens depend only on
+    its seed and its logits, never on which other rows share the batch. In torch (CUDA, or no
+    kernel) a seeded row draws with the exponential race, argmax(probs / q) with q ~ Exp(1) per
+    token from its own generator, for the same reason; unseeded rows by the inverse CDF.
     """
 
     # False: torch ops only, even where the C kernels take the logits (tests compare the two)
@@ -278,34 +280,31 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Draw one token per row (all rows non-greedy). (R, V) -> (R,)
 
-        Unseeded rows go to the C kernel where it takes the logits (CPU float32), seeded ones and
-        every row elsewhere to torch."""
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if not (unseeded and self.use_kernels and native_sample.available()) or logits.is_cuda:
+        The C kernel draws where it takes the logits (CPU float32), torch elsewhere."""
+        if not (self.use_kernels and native_sample.available()) or logits.is_cuda:
             return self._sample_torch(logits, rows)
-        if len(unseeded) == len(rows):
-            drawn = self._draw_native(logits, rows, None)
-            return self._sample_torch(logits, rows) if drawn is None else drawn
-        drawn = self._draw_native(logits, [rows[i] for i in unseeded], unseeded)
-        if drawn is None:
-            return self._sample_torch(logits, rows)
-        seeded = [i for i, r in enumerate(rows) if r.generator is not None]
-        token_ids = torch.empty(len(rows), dtype=torch.int64)
-        token_ids[unseeded] = drawn
-        idx = torch.tensor(seeded)
-        token_ids[seeded] = self._sample_torch(logits[idx], [rows[i] for i in seeded])
-        return token_ids
+        drawn = self._draw_native(logits, rows)
+        return self._sample_torch(logits, rows) if drawn is None else drawn
 
-    def _draw_native(
-        self, logits: torch.Tensor, rows: list[SamplingRow], picked: list[int] | None
-    ) -> torch.Tensor | None:
-        """The kernel's draws for `rows` (logits rows `picked`, None: all), one uniform each
-        from the sampler's generator; None where the kernel cannot take the logits. Rows with a
-        top-k draw over torch.topk's (or the kernel's) best max(k) candidates, the others over
-        the whole row, no (R, V) tensor made either way."""
+    def _uniforms(self, rows: list[SamplingRow]) -> torch.Tensor:
+        """One float64 uniform per row: a seeded row's from its own generator (so its token
+        depends on its seed and logits alone), the others' from the sampler's in one call."""
+        u = torch.empty(len(rows), dtype=torch.float64)
+        shared = [i for i, r in enumerate(rows) if r.generator is None]
+        if shared:
+            u[shared] = torch.rand(len(shared), generator=self.generator, dtype=torch.float64)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                u[i] = torch.rand(1, generator=row.generator, dtype=torch.float64)[0]
+        return u
+
+    def _draw_native(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor | None:
+        """The kernel's inverse-CDF draws, None where it cannot take the logits. Rows with a
+        top-k draw over the kernel's (or torch.topk's) best max(k) candidates, the others over
+        the whole row: no (R, V) tensor either way, and each row's token depends on its logits
+        and its uniform alone."""
         vocab = logits.shape[1]
-        index = list(range(len(rows))) if picked is None else picked
-        u = torch.rand(len(rows), generator=self.generator, dtype=torch.float64)
+        u = self._uniforms(rows)
         temps = [r.params.temperature for r in rows]
         top_p = [min(r.params.top_p, 1.0) for r in rows]
         min_p = [r.params.min_p for r in rows]
@@ -315,7 +314,7 @@ class Sampler:
         if whole:
             got = native_sample.sample_rows(
                 logits, [temps[j] for j in whole], [top_p[j] for j in whole],
-                [min_p[j] for j in whole], u[whole], rows=[index[j] for j in whole],
+                [min_p[j] for j in whole], u[whole], rows=whole,
             )  # fmt: skip
             if got is None:
                 return None
@@ -323,10 +322,9 @@ class Sampler:
         cut = [j for j, k in enumerate(ks) if k > 0]
         if cut:
             widest = max(ks[j] for j in cut)
-            at = [index[j] for j in cut]
-            found = native_sample.topk_rows(logits, widest, rows=at)
+            found = native_sample.topk_rows(logits, widest, rows=cut)
             if found is None:
-                found = logits[torch.tensor(at)].topk(widest, dim=-1)
+                found = logits[torch.tensor(cut)].topk(widest, dim=-1)
             values, ids = found
             got = native_sample.sample_rows(
                 values.contiguous(), [temps[j] for j in cut], [top_p[j] for j in cut],
@@ -338,7 +336,7 @@ class Sampler:
         return token_ids
 
     def _sample_torch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """_sample in torch ops: every device, and seeded rows everywhere."""
+        """_sample in torch ops, on every device."""
         dev = logits.device
         temps = torch.tensor([r.params.temperature for r in rows], device=dev)[:, None]
         top_k = [r.params.top_k for r in rows]
