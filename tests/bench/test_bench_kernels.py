@@ -18,6 +18,7 @@ from tidal.bench.kernels import (
     StepProfile,
     cpu_flags,
     markdown_report,
+    parse_sampling_args,
     parse_tidal_args,
     profile_markdown,
     run_tidal,
@@ -30,6 +31,7 @@ from tidal.bench.llama_bench import (
     parse_llama_bench,
     run_llama,
 )
+from tidal.layers.sampler import Sampler
 
 # `llama-bench -m gemma-3-270m-q4_k_m.gguf -t 2 -p 64 -n 16 -r 2 -o json` (stdout) of the
 # llama.cpp that scripts/build_llama_server.sh builds (0.3.36's vendor/, build 1, commit 0c1e570);
@@ -174,6 +176,20 @@ def test_parse_tidal_args() -> None:
         parse_tidal_args(["threads=4"])
 
 
+def test_parse_sampling_args_checks_fields_as_a_request_would() -> None:
+    got = parse_sampling_args(["temperature=0.8", "top_p=0.95", "top_k=40", "seed=7"])
+    assert got == {"temperature": 0.8, "top_p": 0.95, "top_k": 40, "seed": 7}
+    assert parse_sampling_args([]) == {}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_sampling_args(["0.8"])
+    with pytest.raises(ValueError, match="no 'temprature'"):
+        parse_sampling_args(["temprature=0.8"])
+    with pytest.raises(ValueError, match="sets max_tokens itself"):
+        parse_sampling_args(["max_tokens=4"])
+    with pytest.raises(ValueError, match="top_p"):
+        parse_sampling_args(["top_p=1.5"])
+
+
 def test_cpu_flags_from_cpuinfo() -> None:
     text = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse avx2 fma f16c avx512f\n"
     flags = cpu_flags(text)
@@ -219,6 +235,10 @@ def test_markdown_report_names_the_machine_and_every_measure() -> None:
     assert math.isclose(steps.other_s, 0.009)
     assert "dtype auto, quantization int8; torch 2.x" in text and "(gemma3)" in text
     assert "without the profiler, tg: 28.57 ms per step" in text
+    assert "torch 2.x; greedy" in text
+    sampled = {**_record(rows), "workload": {"sampling": {"temperature": 0.8, "top_p": 0.95}}}
+    sampled_text = markdown_report(sampled, rows, None)
+    assert "samples every token (temperature=0.8, top_p=0.95;" in sampled_text
     assert profile_markdown(steps).splitlines()[2:] == text.splitlines()[-6:]
 
 
@@ -262,16 +282,27 @@ def test_command_is_registered() -> None:
     parser = argparse.ArgumentParser(prog="tidal")
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", "kernels", "--threads", "1", "--tidal-arg", "dtype=float32",
-                              "--profile", "--no-llama"])  # fmt: skip
+                              "--profile", "--no-llama", "--sampling", "temperature=0.8",
+                              "--sampling", "top_p=0.9"])  # fmt: skip
     assert args.threads == 1 and args.tidal_arg == ["dtype=float32"] and args.profile
+    assert args.sampling == ["temperature=0.8", "top_p=0.9"]
     assert not args.llama and args.repetitions == KernelsConfig().repetitions
 
 
-def test_tidal_side_runs_on_a_tiny_model(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}])
+def test_tidal_side_runs_on_a_tiny_model(tmp_path: Path, monkeypatch, sampling: dict) -> None:
     model = make_tiny_model_dir(tmp_path / "tiny")
     cfg = KernelsConfig(threads=1, repetitions=2, prompt_tokens=24, decode_tokens=6,
                         batch_seqs=3, batch_prompt_tokens=8, tg_prompt_tokens=4,
-                        profile_steps=3)  # fmt: skip
+                        profile_steps=3, sampling=sampling)  # fmt: skip
+    seen: set[tuple[float, float]] = set()
+    call = Sampler.__call__
+
+    def spy(self, logits, rows):
+        seen.update((r.params.temperature, r.params.top_p) for r in rows)
+        return call(self, logits, rows)
+
+    monkeypatch.setattr(Sampler, "__call__", spy)
     before = torch.get_num_threads()
     try:
         measures, settings, steps = run_tidal(
@@ -287,3 +318,5 @@ def test_tidal_side_runs_on_a_tiny_model(tmp_path: Path) -> None:
     assert steps is not None and steps.steps == 3 and steps.num_layers == 4
     # native_s and aten_s are differences of two timed runs, 0 below their noise (profile_decode)
     assert steps.native_s >= 0 and steps.aten_s >= 0 and steps.wall_s > 0
+    # every request the measures and the profile ran sampled as asked
+    assert seen == {(sampling.get("temperature", 0.0), sampling.get("top_p", 1.0))}

@@ -11,7 +11,9 @@ Three measures, each side by side with llama.cpp's figure for it, in tokens/s:
 - b32-tg128: 32 sequences decoding 128 tokens each together after a short prompt (tidal: total
   decode tokens / (last token of any - first token of any); llama-batched-bench: S_TG).
 
-tidal runs through the public API only (`tidal.LLM`), with its defaults unless `--tidal-arg k=v`.
+tidal runs through the public API only (`tidal.LLM`), with its defaults unless `--tidal-arg k=v`,
+and decodes greedily unless `--sampling k=v` (SamplingParams fields, e.g. temperature=0.8): llama.cpp's
+benches decode without sampling, so a sampled run charges tidal for its sampler and them for none.
 Each prompt is new (seed + repetition), so the prefix cache never turns a prefill into a hit.
 `--profile` splits single-stream decode steps into tidal's native kernels (`tidal::*` regions),
 torch's aten ops (self time) and the rest (Python, scheduler, sampling).
@@ -25,7 +27,7 @@ import re
 import sys
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -50,6 +52,8 @@ class KernelsConfig:
     profile_steps: int = 32
     seed: int = 0
     llama_timeout_s: float = 1800.0
+    # SamplingParams fields for tidal's requests (empty: greedy); see parse_sampling_args
+    sampling: dict[str, Any] = field(default_factory=dict)
 
     def names(self) -> tuple[str, str, str]:
         """The three measures' names, llama-bench's style: pp512, tg128, b32-tg128."""
@@ -108,18 +112,44 @@ class StepProfile:
 # tidal: the public API only
 
 
-def parse_tidal_args(pairs: Iterable[str]) -> dict[str, Any]:
-    """["quantization=int8", "max_num_seqs=8", "enable_prefix_caching=false"] -> LLM kwargs."""
+def _key_values(pairs: Iterable[str], flag: str, example: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         if not sep or not key.strip().isidentifier():
-            raise ValueError(
-                f"--tidal-arg {pair!r} is invalid: expected KEY=VALUE, e.g. dtype=bfloat16"
-            )
+            raise ValueError(f"{flag} {pair!r} is invalid: expected KEY=VALUE, e.g. {example}")
         out[key.strip()] = _value(text.strip())
+    return out
+
+
+def parse_tidal_args(pairs: Iterable[str]) -> dict[str, Any]:
+    """["quantization=int8", "max_num_seqs=8", "enable_prefix_caching=false"] -> LLM kwargs."""
+    out = _key_values(pairs, "--tidal-arg", "dtype=bfloat16")
     if "threads" in out:
         raise ValueError("--tidal-arg threads=... is invalid: use --threads (both systems get it)")
+    return out
+
+
+# what every measure's requests must have: exactly the measure's tokens each
+_BENCH_SETS = ("max_tokens", "ignore_eos", "n", "min_tokens", "stop", "stop_token_ids")
+
+
+def parse_sampling_args(pairs: Iterable[str]) -> dict[str, Any]:
+    """["temperature=0.8", "top_p=0.95"] -> SamplingParams fields for every request tidal runs,
+    checked as SamplingParams checks a request's."""
+    from tidal import SamplingParams
+
+    out = _key_values(pairs, "--sampling", "temperature=0.8")
+    known = {f.name for f in fields(SamplingParams)}
+    for key in out:
+        if key not in known:
+            raise ValueError(f"--sampling {key}=... is invalid: SamplingParams has no {key!r}")
+        if key in _BENCH_SETS:
+            raise ValueError(
+                f"--sampling {key}=... is invalid: the bench sets {key} itself (every request "
+                "decodes exactly the measure's tokens)"
+            )
+    _params(1, out)
     return out
 
 
@@ -137,11 +167,12 @@ def _value(text: str) -> Any:
     return text
 
 
-def _greedy(max_tokens: int):
+def _params(max_tokens: int, sampling: dict[str, Any]):
     from tidal import SamplingParams
 
     # ignore_eos: every request generates exactly max_tokens, as llama.cpp's benches do.
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    fields_ = {"temperature": 0.0, **sampling}
+    return SamplingParams(**fields_, max_tokens=max_tokens, ignore_eos=True)
 
 
 class _Prompts:
@@ -159,17 +190,20 @@ class _Prompts:
         return [w.prompt_token_ids for w in work]
 
 
-def prefill_rate(llm, prompts: _Prompts, length: int) -> float:
-    out = llm.generate(prompt_token_ids=prompts.take(1, length), sampling_params=_greedy(1))[0]
+def prefill_rate(llm, prompts: _Prompts, length: int, sampling: dict[str, Any]) -> float:
+    params = _params(1, sampling)
+    out = llm.generate(prompt_token_ids=prompts.take(1, length), sampling_params=params)[0]
     return length / (out.metrics.first_token_time_s - out.metrics.arrival_time_s)
 
 
-def decode_rate(llm, prompts: _Prompts, num_seqs: int, prompt_len: int, tokens: int) -> float:
+def decode_rate(
+    llm, prompts: _Prompts, num_seqs: int, prompt_len: int, tokens: int, sampling: dict[str, Any]
+) -> float:
     """Decode tokens/s of num_seqs sequences generating `tokens` each after their first token
     (that one comes from the prefill). The window opens at the first sequence's first token, so
     a prefill that spreads over several steps counts against tidal, never for it."""
     outs = llm.generate(prompt_token_ids=prompts.take(num_seqs, prompt_len),
-                        sampling_params=_greedy(tokens + 1))  # fmt: skip
+                        sampling_params=_params(tokens + 1, sampling))  # fmt: skip
     for o in outs:
         if len(o.outputs[0].token_ids) != tokens + 1:
             raise RuntimeError(f"expected {tokens + 1} tokens, got {len(o.outputs[0].token_ids)}")
@@ -194,15 +228,19 @@ def run_tidal(
     n, p = cfg.decode_tokens, cfg.prompt_tokens
     pp_name, tg_name, batched_name = cfg.names()
     # Warm-up, excluded: one of each shape.
-    prefill_rate(llm, prompts, p)
-    decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, 4)
+    sampling = cfg.sampling
+    prefill_rate(llm, prompts, p, sampling)
+    decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, 4, sampling)
     reps = range(cfg.repetitions)
-    pp = Measure(tuple(prefill_rate(llm, prompts, p) for _ in reps))
+    pp = Measure(tuple(prefill_rate(llm, prompts, p, sampling) for _ in reps))
     print(f"tidal {pp_name}: {pp.median:.1f} tok/s", file=sys.stderr, flush=True)
-    tg = Measure(tuple(decode_rate(llm, prompts, 1, cfg.tg_prompt_tokens, n) for _ in reps))
+    tg = Measure(tuple(
+        decode_rate(llm, prompts, 1, cfg.tg_prompt_tokens, n, sampling) for _ in reps
+    ))  # fmt: skip
     print(f"tidal {tg_name}: {tg.median:.1f} tok/s", file=sys.stderr, flush=True)
     batched = Measure(tuple(
-        decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, n) for _ in reps
+        decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, n, sampling)
+        for _ in reps
     ))  # fmt: skip
     print(f"tidal {batched_name}: {batched.median:.1f} tok/s", file=sys.stderr, flush=True)
     steps = profile_decode(llm, prompts, cfg, arch.num_layers) if profile else None
@@ -231,12 +269,15 @@ def split_events(events: Iterable[Any]) -> tuple[dict[str, float], float]:
     return native_us, aten_us
 
 
-def _profiled(llm, prompt: list[int], max_tokens: int) -> tuple[float, dict[str, float], float]:
+def _profiled(
+    llm, prompt: list[int], max_tokens: int, sampling: dict[str, Any]
+) -> tuple[float, dict[str, float], float]:
     """(decode window: first token -> last token, seconds; native region totals; aten total)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = llm.generate(prompt_token_ids=[prompt], sampling_params=_greedy(max_tokens))[0]
+        params = _params(max_tokens, sampling)
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
     m = out.metrics
     window_s = (m.last_token_time_s or m.finished_time_s) - m.first_token_time_s
     native_us, aten_us = split_events(prof.events())
@@ -249,8 +290,12 @@ def profile_decode(llm, prompts: _Prompts, cfg: KernelsConfig, num_layers: int) 
     generate() of 1 token (a prefill of the same length). The profiler's own cost per op lands
     in 'other'."""
     steps = cfg.profile_steps
-    _, native_1, aten_1 = _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], 1)
-    wall_n, native_n, aten_n = _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], 1 + steps)
+
+    def run(tokens: int) -> tuple[float, dict[str, float], float]:
+        return _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], tokens, cfg.sampling)
+
+    _, native_1, aten_1 = run(1)
+    wall_n, native_n, aten_n = run(1 + steps)
     by_name = {k: max(0.0, (native_n.get(k, 0.0) - native_1.get(k, 0.0)) / steps) for k in native_n}
     ranked = tuple(sorted(by_name.items(), key=lambda kv: -kv[1]))
     # Differences of two timed runs: where a step's share of a region or of aten is below the
@@ -304,6 +349,9 @@ def markdown_report(record: dict[str, Any], rows: Sequence[Row], steps: StepProf
               ("max_num_seqs", conf.get("scheduler", {}).get("max_num_seqs")),
               ("max_num_batched_tokens", conf.get("scheduler", {}).get("max_num_batched_tokens")))  # fmt: skip
     model = f" ({build['model_type']})" if "model_type" in build else ""
+    sampling = record.get("workload", {}).get("sampling") or {}
+    drawn = (f"samples every token ({', '.join(f'{k}={v!r}' for k, v in sampling.items())}; "
+             "llama.cpp's benches do not sample)" if sampling else "greedy")  # fmt: skip
     lines = [
         f"- CPU: {record['machine']['cpu_model']} ({record['machine']['cpu_count']} logical); "
         f"has {' '.join(f for f, v in flags.items() if v) or '-'}; "
@@ -311,7 +359,7 @@ def markdown_report(record: dict[str, Any], rows: Sequence[Row], steps: StepProf
         f"- threads: {record['threads']}; GGUF: `{record['gguf']}`{model}",
         f"- tidal: LLM({', '.join(f'{k}={v!r}' for k, v in tidal['args'].items()) or 'defaults'})"
         f": {', '.join(f'{k} {v}' for k, v in picked if v is not None)}; "
-        f"torch {tidal.get('torch', '?')}",
+        f"torch {tidal.get('torch', '?')}; {drawn}",
         f"- llama.cpp: {llama}",
         f"- {record['repetitions']} repetitions: median [min-max]; ratio = tidal / llama.cpp",
         "",
@@ -346,6 +394,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where llama-bench and llama-batched-bench are (default: tidal's cache)")  # fmt: skip
     p.add_argument("--tidal-arg", action="append", default=None, metavar="KEY=VALUE",
                    help="passed to tidal.LLM(...), e.g. quantization=int8 or dtype=bfloat16")  # fmt: skip
+    p.add_argument("--sampling", action="append", default=None, metavar="KEY=VALUE",
+                   help="tidal's requests sample with these SamplingParams fields, e.g. "
+                   "temperature=0.8 (default: greedy)")  # fmt: skip
     p.add_argument("--no-llama", dest="llama", action="store_false", help="tidal's side only")
     p.add_argument("--profile", action="store_true",
                    help="split single-stream decode steps into native kernels, aten and the rest")  # fmt: skip
@@ -362,7 +413,8 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise ValueError(f"{name}={getattr(args, name)} is invalid: expected an integer >= 1")
     cfg = KernelsConfig(threads=args.threads, repetitions=args.repetitions, seed=args.seed,
-                        profile_steps=args.profile_steps, prompt_tokens=args.prompt_tokens)  # fmt: skip
+                        profile_steps=args.profile_steps, prompt_tokens=args.prompt_tokens,
+                        sampling=parse_sampling_args(args.sampling or ()))  # fmt: skip
     tidal_args = parse_tidal_args(args.tidal_arg or ())
     if args.model:
         gguf = Path(args.model)
