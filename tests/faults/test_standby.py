@@ -86,9 +86,9 @@ def _config(checkpoint: Path) -> EngineConfig:
     )
 
 
-def _supervisor(checkpoint: Path, rec: _Recorder, clock=None) -> Supervisor:
+def _supervisor(checkpoint: Path, rec: _Recorder, clock=None, backoff_s: float = 0.0) -> Supervisor:
     """A supervisor that keeps a standby from the start (server.standby true)."""
-    policy = RestartPolicy(backoff_initial_s=0.0)
+    policy = RestartPolicy(backoff_initial_s=backoff_s, backoff_max_s=max(10.0, backoff_s))
     if clock is None:
         return Supervisor(_config(checkpoint), rec, policy=policy, standby=True)
     return Supervisor(_config(checkpoint), rec, policy=policy, standby=True, clock=clock)
@@ -99,7 +99,8 @@ def test_a_killed_engine_restarts_from_the_standby_with_the_same_tokens(
 ) -> None:
     async def main() -> None:
         rec = _Recorder()
-        sup = _supervisor(tiny_checkpoint, rec)
+        # A live standby takes over without the backoff (an hour here: waiting it would hang).
+        sup = _supervisor(tiny_checkpoint, rec, backoff_s=3600.0)
         first = await asyncio.to_thread(sup.launch)
         sup.start()
         try:

@@ -42,7 +42,8 @@ class Supervisor:
     """Owns the current EngineHandle. Verdicts: "died" (the pipe closed or the process exited) and
     "hung" (the watchdog: work pending, no progress for `watchdog_timeout_s`). Either way the
     process is killed, the listener hears `engine_down` at once, and a new engine starts after
-    the budget's backoff; when the budget is spent the listener hears `engine_fatal`.
+    the budget's backoff (at once from a live standby); when the budget is spent the listener
+    hears `engine_fatal`.
 
     With a standby, a spare engine process (tidal.supervisor.standby) is spawned whenever none is
     waiting; it imports torch and tidal and then idles without weights, and a restart tells it to
@@ -312,8 +313,14 @@ class Supervisor:
                 log.critical(self.fatal)
                 self.listener.engine_fatal(self.fatal)
                 return False
-            log.warning("restarting the engine in %.2f s", delay_s)
-            await asyncio.sleep(delay_s)
+            standby = self._take_standby()
+            if standby is not None and standby.is_alive():
+                # The backoff paces starts that may fail as the last one did; a live standby has
+                # started already (its load can still fail: the next try then waits and goes cold).
+                log.warning("restarting the engine from the standby now (cold: in %.2f s)", delay_s)
+            else:
+                log.warning("restarting the engine in %.2f s", delay_s)
+                await asyncio.sleep(delay_s)
             self._incarnation += 1
             try:
                 handle, ready = await asyncio.to_thread(
@@ -321,7 +328,7 @@ class Supervisor:
                     self._incarnation,
                     self.warmup_on_restart,
                     _START_TIMEOUT_S,
-                    self._take_standby(),
+                    standby,
                 )
             except EngineStartError as e:
                 log.error("engine restart failed: %s", e)
