@@ -89,8 +89,10 @@ def test_json_schema_output_validates(client: openai.OpenAI, i: int) -> None:
 
 
 def test_json_object_regex_and_choice(client: openai.OpenAI) -> None:
-    choice = _chat(client, 'Give the capital of France as a JSON object with the key "capital".',
-                   response_format={"type": "json_object"}).choices[0]  # fmt: skip
+    # A prompt the model closes under greedy with int8 and with float activations alike (the
+    # former one, asking for a key "capital", opened nested objects until max_tokens under int8).
+    ask = 'Give a JSON object with one key "answer" whose value is the capital of France.'
+    choice = _chat(client, ask, response_format={"type": "json_object"}).choices[0]
     assert choice.finish_reason == "stop", choice.message.content
     assert isinstance(json.loads(choice.message.content), dict)
     date = r"20[0-9]{2}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9])"
