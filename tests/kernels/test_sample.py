@@ -4,6 +4,8 @@ batch, log-sum-exp, top-k and rank counts against torch; odd widths, -inf, NaN, 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -109,6 +111,23 @@ def test_every_path_draws_the_same_token_alone_or_in_a_batch(vocab: int) -> None
         for b in range(5):
             alone = sample.sample_rows(x[b : b + 1], [0.8], [top_p], [min_p], u[b : b + 1])
             assert alone is not None and int(alone[0]) == int(results[0][b])
+
+
+def test_every_path_draws_the_same_token_when_every_token_is_a_candidate() -> None:
+    """A long flat tail just below top-p's last positive threshold (w < 2^-22) holding over 5%
+    of the mass, so top_p 0.99 takes every token as a candidate (threshold 0, the histogram path):
+    each path must pair every weight with its own id, in id order."""
+    vocab = 262147  # not a multiple of 16: the paths' tails run too
+    gen = torch.Generator().manual_seed(3)
+    x = math.log(2.0**-22.1) + 0.05 * torch.randn(2, vocab, generator=gen)
+    x[:, 0] = 0.0
+    x[1, vocab // 3] = 0.0  # two peaks
+    u = torch.linspace(0.9, 1 - 1e-9, 48, dtype=torch.float64)  # mostly past the peaks' mass
+    rows = [b for b in range(2) for _ in range(u.numel())]
+    args = ([1.0] * len(rows), [0.99] * len(rows), [0.0] * len(rows), u.repeat(2))
+    results = [sample.sample_rows(x, *args, rows=rows, isa=isa) for isa in ISAS]
+    assert all(r is not None and torch.equal(r, results[0]) for r in results)
+    assert len(set(results[0].tolist())) > 20  # the tail is drawn, not only the peaks
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -86,6 +86,14 @@ static int64_t gather_avx2(const float *x, int64_t n, float m, float inv_t, floa
                            cand *c, int64_t count) {
     __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(inv_t), vlo = _mm256_set1_ps(lo);
     int64_t i = 0, k = 0, n8 = n & ~(int64_t)7;
+    if (!(theta > 0.0f) && count >= n) { /* every token, in order: no mask to walk */
+        for (; i < n8; i += 8) {
+            float w[8];
+            _mm256_storeu_ps(w, exp_neg8(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm), vt)));
+            for (int j = 0; j < 8; j++) c[i + j].w = w[j], c[i + j].id = i + j;
+        }
+        return gather_scalar(x, n, i, m, inv_t, lo, theta, c, i, count);
+    }
     for (; i < n8 && k < count; i += 8) {
         __m256 a = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vm), vt);
         unsigned bits = theta > 0.0f ? (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, vlo, _CMP_GE_OQ)) : 0xFFu;
@@ -106,6 +114,14 @@ static int64_t gather_avx512(const float *x, int64_t n, float m, float inv_t, fl
                              float theta, cand *c, int64_t count) {
     __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(inv_t), vlo = _mm512_set1_ps(lo);
     int64_t i = 0, k = 0, n16 = n & ~(int64_t)15;
+    if (!(theta > 0.0f) && count >= n) { /* every token, in order: no mask to walk */
+        for (; i < n16; i += 16) {
+            float w[16];
+            _mm512_storeu_ps(w, exp_neg16(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm), vt)));
+            for (int j = 0; j < 16; j++) c[i + j].w = w[j], c[i + j].id = i + j;
+        }
+        return gather_scalar(x, n, i, m, inv_t, lo, theta, c, i, count);
+    }
     for (; i < n16 && k < count; i += 16) {
         __m512 a = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), vm), vt);
         unsigned bits = theta > 0.0f ? (unsigned)_mm512_cmp_ps_mask(a, vlo, _CMP_GE_OQ) : 0xFFFFu;
@@ -138,6 +154,43 @@ static int by_weight(const void *pa, const void *pb) {
     const cand *a = pa, *b = pb;
     if (a->w != b->w) return a->w > b->w ? -1 : 1;
     return (a->id > b->id) - (a->id < b->id);
+}
+
+#define RADIX_MIN 256 /* fewer candidates than this: qsort (the radix passes' counts cost more) */
+
+/* c[0..k) in by_weight's order (w descending, then id ascending), by an LSD radix sort of one
+ * 64-bit key per candidate: (~bits(w)) << 32 | id ascending is that order, as w >= 0 orders like
+ * its bits, and ids are below 2^32 (sample.py passes no wider row). A byte that every key shares
+ * is skipped. Returns 0, or -1 when out of memory. */
+static int sort_by_weight(cand *c, int64_t k) {
+    if (k < RADIX_MIN) {
+        qsort(c, (size_t)k, sizeof(cand), by_weight);
+        return 0;
+    }
+    uint64_t *key = malloc(sizeof(uint64_t) * 2 * (size_t)k);
+    if (!key) return -1;
+    uint64_t *tmp = key + k;
+    uint32_t count[8][256];
+    memset(count, 0, sizeof count);
+    for (int64_t t = 0; t < k; t++) {
+        union { float f; uint32_t u; } b = {.f = c[t].w};
+        key[t] = (uint64_t)(~b.u) << 32 | (uint32_t)c[t].id;
+        for (int d = 0; d < 8; d++) count[d][(key[t] >> (8 * d)) & 255]++;
+    }
+    for (int d = 0; d < 8; d++) {
+        uint32_t *n = count[d];
+        if (n[(key[0] >> (8 * d)) & 255] == (uint32_t)k) continue; /* one value: order kept */
+        uint32_t at = 0;
+        for (int v = 0; v < 256; v++) { uint32_t m = n[v]; n[v] = at; at += m; }
+        for (int64_t t = 0; t < k; t++) tmp[n[(key[t] >> (8 * d)) & 255]++] = key[t];
+        uint64_t *s = key; key = tmp; tmp = s;
+    }
+    for (int64_t t = 0; t < k; t++) {
+        union { float f; uint32_t u; } b = {.u = ~(uint32_t)(key[t] >> 32)};
+        c[t].w = b.f, c[t].id = (int64_t)(uint32_t)key[t];
+    }
+    free(key < tmp ? key : tmp);
+    return 0;
 }
 
 /* among c[0..k) (in their order), the one whose cumulative weight first exceeds u * total */
@@ -237,8 +290,7 @@ static int64_t sample_full(const float *x, int64_t n, float temp, float p, float
         int64_t k = gather(x, n, m, inv_t, theta, c, count, isa);
         int64_t kept;
         if (k <= SORT_ALL) {
-            qsort(c, (size_t)k, sizeof(cand), by_weight);
-            kept = nucleus(c, k, total, p, min_p);
+            kept = sort_by_weight(c, k) ? -1 : nucleus(c, k, total, p, min_p);
         } else {
             kept = wide_nucleus(c, k, total, p, min_p);
         }
@@ -433,3 +485,4 @@ int tidal_count_greater(const float *x, int64_t ld, int64_t n, int64_t B, const 
     }
     return 0;
 }
+
