@@ -171,8 +171,8 @@ def _params(max_tokens: int, sampling: dict[str, Any]):
     from tidal import SamplingParams
 
     # ignore_eos: every request generates exactly max_tokens, as llama.cpp's benches do.
-    fields_ = {"temperature": 0.0, **sampling}
-    return SamplingParams(**fields_, max_tokens=max_tokens, ignore_eos=True)
+    chosen = {"temperature": 0.0, **sampling}
+    return SamplingParams(**chosen, max_tokens=max_tokens, ignore_eos=True)
 
 
 class _Prompts:
