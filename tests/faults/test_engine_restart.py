@@ -172,8 +172,8 @@ def test_sigkill_under_load_fails_started_and_reruns_waiting(
         server.stop()
 
 
-def test_restart_estimate_is_the_last_measured_restart() -> None:
-    now = [100.0]
+def _loaded_client(now: list[float]) -> SupervisedEngineClient:
+    """A client whose (never started) engine loaded in 3.5 s, on the clock now[0]."""
     client = SupervisedEngineClient(
         EngineConfig(model=ModelConfig(path="/nowhere")), clock=lambda: now[0]
     )
@@ -181,6 +181,22 @@ def test_restart_estimate_is_the_last_measured_restart() -> None:
         pid=1, incarnation=0, max_model_len=64, vocab_size=128, num_blocks=8,
         load_time_s=3.5, device_type="cpu", device_memory_bytes=None,
     )  # fmt: skip
+    return client
+
+
+class _LiveStandby:
+    """What the supervisor asks of a held standby process here: whether it is alive."""
+
+    def __init__(self) -> None:
+        self.alive = True
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+
+def test_restart_estimate_is_the_last_measured_restart() -> None:
+    now = [100.0]
+    client = _loaded_client(now)
     # Nothing measured yet: the first backoff, the load time and the spawn overhead.
     assert client.restart_estimate_s() == 0.25 + 3.5 + _SPAWN_OVERHEAD_S
     client.engine_down("died", "the engine process died")
@@ -189,6 +205,35 @@ def test_restart_estimate_is_the_last_measured_restart() -> None:
     assert client.last_restart_s == 6.0
     assert client.restart_estimate_s() == 6.0
     assert client.engine_pid is None  # never started
+
+
+def test_restart_estimate_from_a_live_standby_has_no_backoff() -> None:
+    """A live standby takes over at once (no backoff, no interpreter to start): the estimate is
+    the load time until a restart from a standby is measured, and measured restarts of each kind
+    answer for their own kind only."""
+    now = [100.0]
+    client = _loaded_client(now)
+    sup = client.supervisor
+    standby = _LiveStandby()
+    sup._standby = standby  # type: ignore[assignment]
+    assert client.restart_estimate_s() == 3.5
+    standby.alive = False  # died while idle: the next restart is a cold one
+    assert client.restart_estimate_s() == 0.25 + 3.5 + _SPAWN_OVERHEAD_S
+    standby.alive = True
+    client.engine_down("died", "the engine process died")
+    now[0] = 100.4
+    sup.last_from_standby = True  # what _restart records when it took the standby
+    client.engine_up(client.info, restarted=True)
+    assert client.restart_estimate_s() == pytest.approx(0.4)
+    sup._standby = None
+    assert client.restart_estimate_s() == 0.25 + 3.5 + _SPAWN_OVERHEAD_S  # no cold one measured
+    client.engine_down("died", "the engine process died")
+    now[0] = 106.4
+    sup.last_from_standby = False
+    client.engine_up(client.info, restarted=True)
+    assert client.restart_estimate_s() == pytest.approx(6.0)
+    sup._standby = standby  # type: ignore[assignment]
+    assert client.restart_estimate_s() == pytest.approx(0.4)
 
 
 def test_a_fatal_client_refuses_with_engine_interrupted() -> None:

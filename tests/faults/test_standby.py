@@ -108,6 +108,7 @@ def test_a_killed_engine_restarts_from_the_standby_with_the_same_tokens(
             await _until(lambda: _standby_pid(sup) is not None, "a standby")
             standby = _standby_pid(sup)
             assert standby is not None and standby != first.pid
+            assert sup.standby_live() and not sup.last_from_standby
             # Idle, it has imported torch but maps no weights.
             await _until(lambda: "libtorch" in _maps(standby), "the standby importing torch")
             assert "model.safetensors" not in _maps(standby)
@@ -115,7 +116,7 @@ def test_a_killed_engine_restarts_from_the_standby_with_the_same_tokens(
             os.kill(first.pid, signal.SIGKILL)
             await _until(lambda: len(rec.events) >= 2, "the restart")
             assert rec.events == [("down", "died"), ("up", standby)]
-            assert sup.pid == standby and sup.num_restarts == 1
+            assert sup.pid == standby and sup.num_restarts == 1 and sup.last_from_standby
             # Its imports ran at a lower priority in a thread; the engine runs at ours.
             assert os.getpriority(os.PRIO_PROCESS, standby) == os.getpriority(os.PRIO_PROCESS, 0)
             assert await _greedy(sup, rec, "b") == before
@@ -149,6 +150,7 @@ def test_a_standby_that_dies_idle_is_replaced_later_and_restarts_go_cold_meanwhi
             await _until(lambda: len(rec.events) >= 2, "the restart")
             cold = rec.events[1][1]
             assert rec.events[0] == ("down", "died") and cold not in (first.pid, dead)
+            assert not sup.last_from_standby and not sup.standby_live()
             assert _standby_pid(sup) is None  # not before the retry time
             now[0] += _STANDBY_RETRY_S
             await _until(lambda: _standby_pid(sup) is not None, "a replacement standby")

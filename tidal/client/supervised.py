@@ -73,6 +73,7 @@ class SupervisedEngineClient(EngineClient):
         self._closed = False
         self._down_at: float | None = None  # clock time the engine last went down
         self.last_restart_s: float | None = None  # down -> up of the last restart, measured
+        self._measured_restart_s: dict[bool, float] = {}  # the last, by whether from a standby
         # Called once the engine went down and its started requests failed; the requests kept
         # for the restarted engine may be taken elsewhere then (`take_unstarted`).
         self.on_down: Callable[[], None] | None = None
@@ -133,14 +134,20 @@ class SupervisedEngineClient(EngineClient):
         return self.supervisor.fatal
 
     def restart_estimate_s(self) -> float:
-        """How long until a restarted engine serves: the last restart as measured (down to up),
-        else the coming backoff plus the first engine's load time and the spawn overhead."""
-        if self.last_restart_s is not None:
-            return self.last_restart_s
+        """How long until a restarted engine serves. With a live standby (the next restart takes
+        it at once): the last restart from a standby as measured (down to up), else the first
+        engine's load time. Without one: the last cold restart as measured, else the coming
+        backoff plus the load time and the spawn overhead."""
+        from_standby = self.supervisor.standby_live()
+        measured = self._measured_restart_s.get(from_standby)
+        if measured is not None:
+            return measured
+        load_s = self.info.load_time_s if self.info is not None else 0.0
+        if from_standby:
+            return load_s
         budget = self.supervisor.budget
         p = budget.policy
         backoff_s = min(p.backoff_max_s, p.backoff_initial_s * 2**budget.num_recent)
-        load_s = self.info.load_time_s if self.info is not None else 0.0
         return backoff_s + load_s + _SPAWN_OVERHEAD_S
 
     def _check_can_generate(self) -> None:
@@ -185,6 +192,7 @@ class SupervisedEngineClient(EngineClient):
         self.info = ready
         if restarted and self._down_at is not None:
             self.last_restart_s = self._clock() - self._down_at
+            self._measured_restart_s[self.supervisor.last_from_standby] = self.last_restart_s
         for stream in self._streams.values():
             self.supervisor.send(stream.add)
         if restarted and self.on_restart is not None:

@@ -77,6 +77,7 @@ class Supervisor:
         self.up = False
         self.fatal: str | None = None
         self.num_restarts = 0
+        self.last_from_standby = False  # whether the last restart took the standby
         self._handle: EngineHandle | None = None
         self._starting: EngineHandle | None = None  # a restart still loading (killed on stop)
         self._standby: EngineHandle | None = None  # a spare process waiting to be told to load
@@ -275,6 +276,12 @@ class Supervisor:
             self._standby = standby
         log.info("standby engine process %d spawned", standby.pid)
 
+    def standby_live(self) -> bool:
+        """Whether a live standby is held: the next restart takes it, without the backoff."""
+        with self._lock:
+            standby = self._standby
+        return standby is not None and standby.is_alive()
+
     def _take_standby(self) -> EngineHandle | None:
         with self._lock:
             standby, self._standby = self._standby, None
@@ -335,6 +342,7 @@ class Supervisor:
                 continue
             self._handle = handle
             self.num_restarts += 1
+            self.last_from_standby = handle is standby
             self._attach(handle)
             self.listener.engine_up(ready, restarted=True)
             return True
