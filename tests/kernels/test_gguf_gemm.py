@@ -431,3 +431,29 @@ def test_profiler_sees_the_panel_kernel() -> None:
     with torch.profiler.profile() as prof:
         gg.gguf_gemm_panels(torch.randn(40, 64), w)
     assert "tidal::gguf_gemm_panels" in {e.name for e in prof.events()}
+
+
+def test_bench_paths_compute_the_product_into_one_output() -> None:
+    """bench_gguf's timed calls: every gguf and torch path writes x @ W.T into one kept output
+    (no 32 MiB allocation per call in the timing), and int8_gemm computes its own product."""
+    from tidal.kernels.bench_gguf import paths
+
+    w = random_blocks(int(Q.Q8_0), 24, 64)
+    x = torch.randn(3, 64)
+    wf = gg.dequantize_rows(w, 0, w.rows)
+    ref = x.double() @ wf.double().T
+    codes = torch.randint(-127, 128, (24, 64), dtype=torch.int8)
+    scales = torch.rand(24, 2) * 1e-2
+    found = paths(x, w, (wf, codes, scales), ISAS)
+    outs = {label: fn() for label, fn, _ in found}
+    kept = [outs[label] for label in outs if label != "int8_gemm"]
+    assert len(kept) == 2 * len(ISAS) + 1 and all(o is kept[0] for o in kept)
+    for label, fn, _ in found:
+        if label != "int8_gemm":
+            # int8 activations round x to 1/254 of each 32 values' largest
+            tol = 0.02 * float(ref.abs().max()) if " q8 " in label else 1e-4
+            torch.testing.assert_close(fn().double(), ref, atol=tol, rtol=0.0, msg=label)
+    lib8 = outs["int8_gemm"]
+    if lib8 is not None:
+        w8 = codes.float() * scales.repeat_interleave(32, dim=1)
+        torch.testing.assert_close(lib8, x @ w8.T, atol=1e-4, rtol=1e-4)
