@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -221,7 +222,9 @@ def test_markdown_report_names_the_machine_and_every_measure() -> None:
     assert "| - `" not in profile_markdown(steps)
     named = StepProfile(1, 2, 1.0, 0.5, 0.25, (("tidal::gguf_gemm", 0.4), ("tidal::x", 0.1)))
     assert "| - `tidal::gguf_gemm` | 400.00 | 200.000 | 40% |" in profile_markdown(named)
-    text = markdown_report(_record(rows), rows, steps)
+    batched = StepProfile(32, 18, 0.04, 0.03, 0.001, (("tidal::decoder_stack", 0.03),), 32, 0.006)
+    assert math.isclose(batched.other_s, 0.003)
+    text = markdown_report(_record(rows), rows, (steps, batched))
     assert "AMD EPYC 7B13" in text and "has avx2 fma" in text and "lacks avx512f" in text
     assert "threads: 2" in text and "`/m.gguf`" in text and "quantization='int8'" in text
     assert "commit 0c1e570" in text and "- a note" in text
@@ -231,15 +234,21 @@ def test_markdown_report_names_the_machine_and_every_measure() -> None:
     assert table[2] == "| tg128 | 35.0 [35.0-35.0] | - | - |"
     assert table[3].startswith("| b32-tg128 | - | 235.0")
     assert "| wall | 36.00 | 2.000 | 100% |" in text
-    assert "| other (Python, scheduler, sampling, profiler) | 9.00 | 0.500 | 25% |" in text
+    assert "| other (Python, scheduler, output, profiler) | 9.00 | 0.500 | 25% |" in text
     assert math.isclose(steps.other_s, 0.009)
     assert "dtype auto, quantization int8; torch 2.x" in text and "(gemma3)" in text
-    assert "without the profiler, tg: 28.57 ms per step" in text
+    assert (
+        "Single-stream decode, 32 steps under torch.profiler, 18 layers; without the "
+        "profiler: 28.57 ms per step:" in text
+    )
+    # the batched profile's own table; no rate beside it where tidal's b32 did not run
+    assert "32 sequences decoding together, 32 steps under torch.profiler, 18 layers:" in text
+    assert "| sampler (its kernels and Python) | 6.00 | 0.333 | 15% |" in text
     assert "torch 2.x; greedy" in text
     sampled = {**_record(rows), "workload": {"sampling": {"temperature": 0.8, "top_p": 0.95}}}
-    sampled_text = markdown_report(sampled, rows, None)
+    sampled_text = markdown_report(sampled, rows)
     assert "samples every token (temperature=0.8, top_p=0.95;" in sampled_text
-    assert profile_markdown(steps).splitlines()[2:] == text.splitlines()[-6:]
+    assert profile_markdown(batched).splitlines()[2:] == text.splitlines()[-8:]
 
 
 def test_split_events_counts_native_regions_whole_and_aten_outside_them() -> None:
@@ -300,6 +309,7 @@ def test_tidal_side_runs_on_a_tiny_model(tmp_path: Path, monkeypatch, sampling: 
 
     def spy(self, logits, rows):
         seen.update((r.params.temperature, r.params.top_p) for r in rows)
+        time.sleep(0.002)  # so the profiles' sampler rows cannot read 0
         return call(self, logits, rows)
 
     monkeypatch.setattr(Sampler, "__call__", spy)
@@ -315,8 +325,10 @@ def test_tidal_side_runs_on_a_tiny_model(tmp_path: Path, monkeypatch, sampling: 
         assert len(m.samples_tok_s) == 2 and all(s > 0 for s in m.samples_tok_s)
     assert settings["threads"] == 1 and settings["num_layers"] == 4
     assert settings["config"]["cache"]["block_size"] == 8
-    assert steps is not None and steps.steps == 3 and steps.num_layers == 4
-    # native_s and aten_s are differences of two timed runs, 0 below their noise (profile_decode)
-    assert steps.native_s >= 0 and steps.aten_s >= 0 and steps.wall_s > 0
+    assert [(p.seqs, p.steps, p.num_layers) for p in steps] == [(1, 3, 4), (3, 3, 4)]
+    for p in steps:
+        # native_s, sampler_s and aten_s are differences of two timed runs, 0 below their noise
+        assert p.native_s >= 0 and p.aten_s >= 0 and p.wall_s > 0
+        assert p.sampler_s >= 0.002  # its region is timed apart: one call a step, each >= 2 ms
     # every request the measures and the profile ran sampled as asked
     assert seen == {(sampling.get("temperature", 0.0), sampling.get("top_p", 1.0))}

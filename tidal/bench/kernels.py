@@ -15,8 +15,9 @@ tidal runs through the public API only (`tidal.LLM`), with its defaults unless `
 and decodes greedily unless `--sampling k=v` (SamplingParams fields, e.g. temperature=0.8): llama.cpp's
 benches decode without sampling, so a sampled run charges tidal for its sampler and them for none.
 Each prompt is new (seed + repetition), so the prefix cache never turns a prefill into a hit.
-`--profile` splits single-stream decode steps into tidal's native kernels (`tidal::*` regions),
-torch's aten ops (self time) and the rest (Python, scheduler, sampling).
+`--profile` splits decode steps, of one sequence and of the batched measure's sequences together,
+into tidal's native kernels (`tidal::*` regions), the sampler (its kernels and Python), torch's
+aten ops (self time) and the rest (Python, scheduler, output).
 """
 
 from __future__ import annotations
@@ -94,18 +95,21 @@ class Row(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class StepProfile:
-    """Single-stream decode, per step: wall time split into native kernels, aten ops and the rest."""
+    """Decode of `seqs` sequences together, per step: wall time split into native kernels, the
+    sampler, aten ops and the rest."""
 
     steps: int
     num_layers: int
     wall_s: float
-    native_s: float  # tidal::* regions, whole (what runs inside them counts here)
+    native_s: float  # tidal::* regions but the sampler's, whole (what runs inside them counts)
     aten_s: float  # self time of aten::* ops outside tidal::* regions
     native_by_name: tuple[tuple[str, float], ...] = ()  # native_s per region name, largest first
+    seqs: int = 1
+    sampler_s: float = 0.0  # the sampler's region (SAMPLER_REGION), whole
 
     @property
     def other_s(self) -> float:
-        return self.wall_s - self.native_s - self.aten_s
+        return self.wall_s - self.native_s - self.sampler_s - self.aten_s
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,7 +218,7 @@ def decode_rate(
 
 def run_tidal(
     cfg: KernelsConfig, model: Path, tidal_args: dict[str, Any], profile: bool
-) -> tuple[dict[str, Measure], dict[str, Any], StepProfile | None]:
+) -> tuple[dict[str, Measure], dict[str, Any], tuple[StepProfile, ...]]:
     import torch
 
     from tidal import LLM
@@ -243,7 +247,10 @@ def run_tidal(
         for _ in reps
     ))  # fmt: skip
     print(f"tidal {batched_name}: {batched.median:.1f} tok/s", file=sys.stderr, flush=True)
-    steps = profile_decode(llm, prompts, cfg, arch.num_layers) if profile else None
+    steps = ()  # one sequence, then the batched measure's sequences together
+    if profile:
+        steps = tuple(profile_decode(llm, prompts, cfg, arch.num_layers, seqs)
+                      for seqs in (1, cfg.batch_seqs))  # fmt: skip
     return {pp_name: pp, tg_name: tg, batched_name: batched}, settings, steps
 
 
@@ -270,50 +277,60 @@ def split_events(events: Iterable[Any]) -> tuple[dict[str, float], float]:
 
 
 def _profiled(
-    llm, prompt: list[int], max_tokens: int, sampling: dict[str, Any]
+    llm, prompts: list[list[int]], max_tokens: int, sampling: dict[str, Any]
 ) -> tuple[float, dict[str, float], float]:
-    """(decode window: first token -> last token, seconds; native region totals; aten total)."""
+    """(decode window: first token of any -> last token of any, seconds; native region totals;
+    aten total)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         params = _params(max_tokens, sampling)
-        out = llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
-    m = out.metrics
-    window_s = (m.last_token_time_s or m.finished_time_s) - m.first_token_time_s
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    first = min(o.metrics.first_token_time_s for o in outs)
+    last = max(o.metrics.last_token_time_s or o.metrics.finished_time_s for o in outs)
     native_us, aten_us = split_events(prof.events())
-    return window_s, {k: v / 1e6 for k, v in native_us.items()}, aten_us / 1e6
+    return last - first, {k: v / 1e6 for k, v in native_us.items()}, aten_us / 1e6
 
 
-def profile_decode(llm, prompts: _Prompts, cfg: KernelsConfig, num_layers: int) -> StepProfile:
-    """Per decode step: the wall time of the steps of a generate() of 1 + steps tokens (its
-    first token to its last, so no prefill), and its profiled regions minus those of a
-    generate() of 1 token (a prefill of the same length). The profiler's own cost per op lands
-    in 'other'."""
+def profile_decode(
+    llm, prompts: _Prompts, cfg: KernelsConfig, num_layers: int, seqs: int = 1
+) -> StepProfile:
+    """Per decode step of `seqs` sequences together: the wall time of the steps of a generate()
+    of 1 + steps tokens each (first token of any to last token of any, so no prefill), and its
+    profiled regions minus those of a generate() of 1 token each (the same prefills). One
+    sequence's prompt is the tg measure's length, several's the batched measure's. The
+    profiler's own cost per op lands in 'other'."""
+    from tidal.layers.sampler import SAMPLER_REGION
+
     steps = cfg.profile_steps
+    length = cfg.tg_prompt_tokens if seqs == 1 else cfg.batch_prompt_tokens
 
     def run(tokens: int) -> tuple[float, dict[str, float], float]:
-        return _profiled(llm, prompts.take(1, cfg.tg_prompt_tokens)[0], tokens, cfg.sampling)
+        return _profiled(llm, prompts.take(seqs, length), tokens, cfg.sampling)
 
     _, native_1, aten_1 = run(1)
     wall_n, native_n, aten_n = run(1 + steps)
     by_name = {k: max(0.0, (native_n.get(k, 0.0) - native_1.get(k, 0.0)) / steps) for k in native_n}
+    sampler_s = by_name.pop(SAMPLER_REGION, 0.0)
     ranked = tuple(sorted(by_name.items(), key=lambda kv: -kv[1]))
     # Differences of two timed runs: where a step's share of a region or of aten is below the
     # runs' noise (a tiny model's microsecond kernels) it can come out negative; that reads as 0.
     aten_s = max(0.0, (aten_n - aten_1) / steps)
     return StepProfile(steps, num_layers, wall_n / steps, sum(by_name.values()), aten_s,
-                       ranked)  # fmt: skip
+                       ranked, seqs, sampler_s)  # fmt: skip
 
 
 def profile_markdown(p: StepProfile) -> str:
+    what = "Single-stream decode" if p.seqs == 1 else f"{p.seqs} sequences decoding together"
     lines = [
-        f"Single-stream decode, {p.steps} steps under torch.profiler, {p.num_layers} layers:", "",
+        f"{what}, {p.steps} steps under torch.profiler, {p.num_layers} layers:", "",
         "| part | ms per step | ms per layer | share |", "|---|---|---|---|",
     ]  # fmt: skip
     parts = (("tidal native kernels (`tidal::*`)", p.native_s),
              *((f"- `{name}`", s) for name, s in p.native_by_name),
+             ("sampler (its kernels and Python)", p.sampler_s),
              ("torch aten ops (self time)", p.aten_s),
-             ("other (Python, scheduler, sampling, profiler)", p.other_s),
+             ("other (Python, scheduler, output, profiler)", p.other_s),
              ("wall", p.wall_s))  # fmt: skip
     for name, s in parts:
         share = 100 * s / p.wall_s if p.wall_s > 0 else 0.0
@@ -337,7 +354,9 @@ def cpu_flags(text: str | None = None) -> dict[str, bool]:
     return {f: f in have for f in RELEVANT_FLAGS}
 
 
-def markdown_report(record: dict[str, Any], rows: Sequence[Row], steps: StepProfile | None) -> str:
+def markdown_report(
+    record: dict[str, Any], rows: Sequence[Row], steps: Sequence[StepProfile] = ()
+) -> str:
     flags = record["cpu_flags"]
     build = record["llama_cpp"].get("build", {})
     llama = (f"build {build.get('build_number', '?')} (commit {build.get('build_commit', '?')}), "
@@ -375,11 +394,11 @@ def markdown_report(record: dict[str, Any], rows: Sequence[Row], steps: StepProf
         lines.append(f"| {r.name} | {cells[0]} | {cells[1]} | {ratio} |")
     lines += [f"- {n}" for n in record["llama_cpp"].get("notes", [])]
     text = "\n".join(lines) + "\n"
-    if steps is None:
-        return text
-    tg = rows[1].tidal if len(rows) > 1 else None
-    unprofiled = f"; without the profiler, tg: {1e3 / tg.median:.2f} ms per step" if tg else ""
-    return text + "\n" + profile_markdown(steps).replace(" layers:", f" layers{unprofiled}:", 1)
+    for p in steps:  # each beside its measure's rate without the profiler
+        m = rows[1 if p.seqs == 1 else 2].tidal if len(rows) > 2 else None
+        rate = f"; without the profiler: {1e3 * p.seqs / m.median:.2f} ms per step" if m else ""
+        text += "\n" + profile_markdown(p).replace(" layers:", f" layers{rate}:", 1)
+    return text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -399,7 +418,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "temperature=0.8 (default: greedy)")  # fmt: skip
     p.add_argument("--no-llama", dest="llama", action="store_false", help="tidal's side only")
     p.add_argument("--profile", action="store_true",
-                   help="split single-stream decode steps into native kernels, aten and the rest")  # fmt: skip
+                   help="split decode steps (one sequence, then the batched measure's) into native "
+                   "kernels, the sampler, aten and the rest")  # fmt: skip
     p.add_argument("--profile-steps", type=int, default=d.profile_steps)
     p.add_argument("--json", default=None, help="write the record here")
     p.add_argument("--markdown", default=None, help="write the tables here")
@@ -439,12 +459,10 @@ def run(args: argparse.Namespace) -> int:
         "tidal": settings,
         "llama_cpp": llama_info,
         "measures": [r.record() for r in rows],
-        "profile": steps
-        and {
-            **asdict(steps),
-            "other_s": steps.other_s,
-            "native_by_name": dict(steps.native_by_name),
-        },  # fmt: skip
+        "profiles": [
+            {**asdict(p), "other_s": p.other_s, "native_by_name": dict(p.native_by_name)}
+            for p in steps
+        ],
         "seconds": time.perf_counter() - started,
     }
     for r in rows:

@@ -13,6 +13,8 @@ from tidal.kernels.argmax import argmax_rows
 from tidal.kernels.token_mask import apply_token_bitmask_
 from tidal.sampling_params import SamplingParams
 
+# The profiler region a step's sampling runs in (the model runner opens it while profiling).
+SAMPLER_REGION = "tidal::sampler"
 # Temperatures below this are treated as greedy: dividing by them overflows float32 logits.
 _MIN_TEMPERATURE = 1e-5
 # Prompt logprobs materialize a (T, V) float64 tensor; chunk T so a long prompt stays bounded

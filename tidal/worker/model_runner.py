@@ -12,7 +12,13 @@ import torch
 from tidal.attention.metadata import build_metadata
 from tidal.kv.layout import KVLayout
 from tidal.layers.moe import SparseMoE
-from tidal.layers.sampler import Sampler, SamplingRow, make_generator, prompt_logprobs
+from tidal.layers.sampler import (
+    SAMPLER_REGION,
+    Sampler,
+    SamplingRow,
+    make_generator,
+    prompt_logprobs,
+)
 from tidal.loader.model_loader import LoadedModel
 from tidal.request import Request
 from tidal.scheduler.output import SchedulerOutput
@@ -273,7 +279,11 @@ class ModelRunner:
                     row.grammar_bitmask = bitmasks[which[rid]]
         if rows:
             assert sample_logits is not None
-            result = self.sampler(sample_logits, rows)
+            if torch.autograd._profiler_enabled():  # `tidal bench kernels --profile`'s row
+                with torch.profiler.record_function(SAMPLER_REGION):
+                    result = self.sampler(sample_logits, rows)
+            else:
+                result = self.sampler(sample_logits, rows)
             tokens = result.token_ids.tolist()
             for i, rid in enumerate(row_ids):
                 out.sampled[rid] = tokens[i]
