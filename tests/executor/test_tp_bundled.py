@@ -10,8 +10,6 @@ follow N=1's until a near-tie, where each run's token is the other's runner-up."
 
 from __future__ import annotations
 
-import pytest
-
 from tidal import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -31,13 +29,11 @@ def _run(**kwargs) -> Run:
     ]
 
 
-@pytest.mark.slow  # two loads of the bundled model and 20 decode steps on each
 def test_float_activations_two_ranks_match_one() -> None:
     one, two = _run(quantization="gguf"), _run(quantization="gguf", tensor_parallel_size=2)
     assert [t for t, _ in two] == [t for t, _ in one]
 
 
-@pytest.mark.slow
 def test_int8_activations_two_ranks_part_from_one_only_at_a_near_tie() -> None:
     one, two = _run(), _run(tensor_parallel_size=2)
     for (tokens_1, logprobs_1), (tokens_2, logprobs_2) in zip(one, two, strict=True):

@@ -40,7 +40,6 @@ def _rank1_pid(server: ServerProcess, incarnation: int) -> int:
     return workers[0]
 
 
-@pytest.mark.slow  # ~2 min on a loaded 2-core machine: two engine groups start
 def test_two_ranks_serve_and_a_killed_rank_restarts_the_group(
     tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

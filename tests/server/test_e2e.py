@@ -180,7 +180,6 @@ def test_32_concurrent_streams_match_solo(server: ServerProcess) -> None:
     assert asyncio.run(run_all()) == solo
 
 
-@pytest.mark.slow
 def test_bundled_model_over_http_matches_transformers(bundled_gguf) -> None:
     """The bundled Gemma 3 270M served over HTTP (greedy) gives transformers' greedy tokens on the
     same file: the completion and the chat reply are the reference fixture's ids

@@ -14,7 +14,6 @@ from tests.engine.tiny import make_tiny_model_dir
 from tests.server.tiny_server import ServerProcess, serve
 
 MAX_TOKENS = 8
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

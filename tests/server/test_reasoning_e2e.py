@@ -205,7 +205,6 @@ def test_completions_return_the_raw_text(r1_server) -> None:
     assert out.usage.completion_tokens_details is None
 
 
-@pytest.mark.slow  # an engine process starts only to be stopped again (~20 s)
 def test_a_parser_whose_tags_detokenizing_drops_stops_the_server(
     r1_checkpoint: tuple[Path, Forced], tmp_path: Path
 ) -> None:
