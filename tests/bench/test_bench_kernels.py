@@ -18,6 +18,7 @@ from tidal.bench.kernels import (
     Row,
     StepProfile,
     cpu_flags,
+    kernel_paths,
     markdown_report,
     parse_sampling_args,
     parse_tidal_args,
@@ -245,6 +246,17 @@ def test_markdown_report_names_the_machine_and_every_measure() -> None:
     assert "32 sequences decoding together, 32 steps under torch.profiler, 18 layers:" in text
     assert "| sampler (its kernels and Python) | 6.00 | 0.333 | 15% |" in text
     assert "torch 2.x; greedy" in text
+    assert "tidal kernels" not in text  # a record without them (older JSON) has no such line
+    lowered = {**_record(rows), "llama_cpp": {**_record(rows)["llama_cpp"], "bin_dir": "/b"}}
+    lowered["tidal"] = {**lowered["tidal"], "kernels": {
+        "paths": {"gguf_gemm": "avx2", "paged_attention": "avx2", "sample": None},
+        "caps": {"TIDAL_KERNEL_ISA": "avx2"}}}  # fmt: skip
+    lowered_text = markdown_report(lowered, rows)
+    assert (
+        "- tidal kernels: gguf_gemm avx2, paged_attention avx2, sample not built (lowered: "
+        "TIDAL_KERNEL_ISA=avx2)" in lowered_text
+    )
+    assert "CPU; binaries from `/b`" in lowered_text
     sampled = {**_record(rows), "workload": {"sampling": {"temperature": 0.8, "top_p": 0.95}}}
     sampled_text = markdown_report(sampled, rows)
     assert "samples every token (temperature=0.8, top_p=0.95;" in sampled_text
@@ -278,6 +290,29 @@ def _inside(e, prefix: str) -> bool:
             return True
         p = p.cpu_parent
     return False
+
+
+def test_kernel_paths_follow_the_isa_setting(monkeypatch) -> None:
+    from tidal.kernels import gguf_gemm, paged_attention, sample
+
+    def fresh() -> dict:
+        for fn in (gguf_gemm.default_isa, paged_attention.default_isa, sample.default_isa):
+            fn.cache_clear()
+        return kernel_paths()
+
+    try:
+        monkeypatch.delenv("TIDAL_KERNEL_ISA", raising=False)
+        best = fresh()
+        assert "TIDAL_KERNEL_ISA" not in best["caps"]
+        monkeypatch.setenv("TIDAL_KERNEL_ISA", "scalar")
+        low = fresh()
+        assert low["caps"]["TIDAL_KERNEL_ISA"] == "scalar"
+        for name, path in low["paths"].items():
+            assert path in (None, "scalar"), name
+            assert (path is None) == (best["paths"][name] is None)
+    finally:
+        monkeypatch.undo()
+        fresh()  # the cached paths again as the session set them
 
 
 def test_missing_binaries_leave_a_note(tmp_path: Path, monkeypatch) -> None:

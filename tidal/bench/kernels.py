@@ -228,7 +228,8 @@ def run_tidal(
     llm = LLM(str(model), threads=cfg.threads, **tidal_args)
     prompts = _Prompts(cfg.seed, arch.vocab_size, arch.bos_token_id)
     settings = {"args": tidal_args, "threads": torch.get_num_threads(), "torch": torch.__version__,
-                "num_layers": arch.num_layers, "config": asdict(llm.config)}  # fmt: skip
+                "num_layers": arch.num_layers, "config": asdict(llm.config),
+                "kernels": kernel_paths()}  # fmt: skip
     n, p = cfg.decode_tokens, cfg.prompt_tokens
     pp_name, tg_name, batched_name = cfg.names()
     # Warm-up, excluded: one of each shape.
@@ -252,6 +253,29 @@ def run_tidal(
         steps = tuple(profile_decode(llm, prompts, cfg, arch.num_layers, seqs)
                       for seqs in (1, cfg.batch_seqs))  # fmt: skip
     return {pp_name: pp, tg_name: tg, batched_name: batched}, settings, steps
+
+
+# Environment settings that lower the code paths of tidal's kernels or of torch's own ops.
+ISA_CAPS = ("TIDAL_KERNEL_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def kernel_paths() -> dict[str, Any]:
+    """The code path each of tidal's CPU kernels runs in this process (None: not built), and the
+    ISA_CAPS settings that are set: a run with the paths lowered says so in its report."""
+    import os
+
+    from tidal.kernels import gguf_gemm, paged_attention, sample
+    from tidal.kernels.isa import ISA_NAMES
+
+    names = {code: name for name, code in ISA_NAMES.items()}
+    paths = {
+        "gguf_gemm": gguf_gemm.default_isa() if gguf_gemm.available() else None,
+        "paged_attention": (names[paged_attention.default_isa()]
+                            if paged_attention.available() else None),
+        "sample": sample.default_isa() if sample.available() else None,
+    }  # fmt: skip
+    caps = {k: os.environ[k] for k in ISA_CAPS if os.environ.get(k)}
+    return {"paths": paths, "caps": caps}
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,7 +403,13 @@ def markdown_report(
         f"- tidal: LLM({', '.join(f'{k}={v!r}' for k, v in tidal['args'].items()) or 'defaults'})"
         f": {', '.join(f'{k} {v}' for k, v in picked if v is not None)}; "
         f"torch {tidal.get('torch', '?')}; {drawn}",
-        f"- llama.cpp: {llama}",
+        *kernels_line(tidal.get("kernels")),
+        f"- llama.cpp: {llama}"
+        + (
+            f"; binaries from `{record['llama_cpp']['bin_dir']}`"
+            if record["llama_cpp"].get("bin_dir") and build
+            else ""
+        ),
         f"- {record['repetitions']} repetitions: median [min-max]; ratio = tidal / llama.cpp",
         "",
         "| measure | tidal tok/s | llama.cpp tok/s | tidal / llama.cpp |",
@@ -399,6 +429,16 @@ def markdown_report(
         rate = f"; without the profiler: {1e3 * p.seqs / m.median:.2f} ms per step" if m else ""
         text += "\n" + profile_markdown(p).replace(" layers:", f" layers{rate}:", 1)
     return text
+
+
+def kernels_line(kernels: dict[str, Any] | None) -> list[str]:
+    """The report's line on tidal's kernel paths and the settings that lowered them ([] when the
+    record has none)."""
+    if not kernels:
+        return []
+    paths = ", ".join(f"{k} {v or 'not built'}" for k, v in kernels["paths"].items())
+    caps = ", ".join(f"{k}={v}" for k, v in kernels["caps"].items())
+    return [f"- tidal kernels: {paths}" + (f" (lowered: {caps})" if caps else "")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
