@@ -315,6 +315,45 @@ def test_kernel_paths_follow_the_isa_setting(monkeypatch) -> None:
         fresh()  # the cached paths again as the session set them
 
 
+def test_batched_prompts_past_one_step_are_prefilled_first(tmp_path: Path, monkeypatch) -> None:
+    """Prompts that take several prefill steps would put the later ones' prefills in the decode
+    window: they are prefilled first (max_tokens=1, same prompts), and the timed run then takes
+    every first token from one step (prefix-cache hits), as llama-batched-bench times S_TG."""
+    from tidal import LLM
+
+    model = make_tiny_model_dir(tmp_path / "tiny")
+    cfg = KernelsConfig(threads=1, repetitions=1, prompt_tokens=24, decode_tokens=4,
+                        batch_seqs=3, batch_prompt_tokens=24, tg_prompt_tokens=4,
+                        profile_steps=2)  # fmt: skip
+    assert cfg.names()[2] == "b3-pp24-tg4" and KernelsConfig().names()[2] == "b32-tg128"
+    calls: list[tuple[list[list[int]], int, set[float]]] = []
+    generate = LLM.generate
+
+    def spy(self, *args, **kwargs):
+        outs = generate(self, *args, **kwargs)
+        firsts = {o.metrics.first_token_time_s for o in outs}
+        calls.append((kwargs["prompt_token_ids"], kwargs["sampling_params"].max_tokens, firsts))
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    args = {"kv_cache_bytes": 8 << 20, "block_size": 8, "max_num_batched_tokens": 32}
+    before = torch.get_num_threads()
+    try:
+        measures, _, steps = run_tidal(cfg, model, args, profile=True)
+        with pytest.raises(ValueError, match="need the prefix cache"):
+            run_tidal(cfg, model, {**args, "enable_prefix_caching": False}, profile=False)
+    finally:
+        torch.set_num_threads(before)
+    assert "b3-pp24-tg4" in measures and [p.seqs for p in steps] == [1, 3]
+    batched = [i for i, (prompts, n, _) in enumerate(calls) if len(prompts) == 3 and n > 1]
+    assert len(batched) >= 3  # warm-up, the measure, the profile's two runs
+    for i in batched:
+        prompts, _, firsts = calls[i]
+        assert all(len(p) == 24 for p in prompts)
+        assert any(calls[j][0] == prompts and calls[j][1] == 1 for j in range(i))
+        assert len(firsts) == 1, "every first token from one step"
+
+
 def test_missing_binaries_leave_a_note(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))  # no llama-bench on PATH either
     measures, info = run_llama(KernelsConfig(), tmp_path / "m.gguf", tmp_path)
@@ -327,7 +366,9 @@ def test_command_is_registered() -> None:
     add_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", "kernels", "--threads", "1", "--tidal-arg", "dtype=float32",
                               "--profile", "--no-llama", "--sampling", "temperature=0.8",
-                              "--sampling", "top_p=0.9"])  # fmt: skip
+                              "--sampling", "top_p=0.9", "--batch-seqs", "4",
+                              "--batch-prompt-tokens", "2048"])  # fmt: skip
+    assert args.batch_seqs == 4 and args.batch_prompt_tokens == 2048
     assert args.threads == 1 and args.tidal_arg == ["dtype=float32"] and args.profile
     assert args.sampling == ["temperature=0.8", "top_p=0.9"]
     assert not args.llama and args.repetitions == KernelsConfig().repetitions
@@ -355,7 +396,7 @@ def test_tidal_side_runs_on_a_tiny_model(tmp_path: Path, monkeypatch, sampling: 
         )
     finally:
         torch.set_num_threads(before)
-    assert set(measures) == {"pp24", "tg6", "b3-tg6"}
+    assert set(measures) == {"pp24", "tg6", "b3-pp8-tg6"}
     for m in measures.values():
         assert len(m.samples_tok_s) == 2 and all(s > 0 for s in m.samples_tok_s)
     assert settings["threads"] == 1 and settings["num_layers"] == 4

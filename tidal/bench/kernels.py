@@ -10,11 +10,15 @@ Three measures, each side by side with llama.cpp's figure for it, in tokens/s:
   ignore_eos, timed first token -> last token; llama-bench: `-n 128`).
 - b32-tg128: 32 sequences decoding 128 tokens each together after a short prompt (tidal: total
   decode tokens / (last token of any - first token of any); llama-batched-bench: S_TG).
+  `--batch-seqs` and `--batch-prompt-tokens` change its shape (b4-pp2048-tg128: decode over long
+  chats); prompts past one step's token budget are prefilled first, so that the timed run's
+  first tokens all come from one step (prefix-cache hits) and the window holds decode alone.
 
 tidal runs through the public API only (`tidal.LLM`), with its defaults unless `--tidal-arg k=v`,
 and decodes greedily unless `--sampling k=v` (SamplingParams fields, e.g. temperature=0.8): llama.cpp's
 benches decode without sampling, so a sampled run charges tidal for its sampler and them for none.
-Each prompt is new (seed + repetition), so the prefix cache never turns a prefill into a hit.
+Each prompt is new (seed + repetition), so the prefix cache never turns a timed prefill into a
+hit (the long batched prompts' prefill-first above is the one deliberate hit).
 `--profile` splits decode steps, of one sequence and of the batched measure's sequences together,
 into tidal's native kernels (`tidal::*` regions), the sampler (its kernels and Python), torch's
 aten ops (self time) and the rest (Python, scheduler, output).
@@ -39,6 +43,10 @@ RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx
                   "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
 
 
+# 32 x 16 fit one prefill step of tidal's default token budget
+DEFAULT_BATCH_PROMPT_TOKENS = 16
+
+
 @dataclass(frozen=True, slots=True)
 class KernelsConfig:
     """What one invocation measures; the CLI's defaults read from here."""
@@ -48,7 +56,7 @@ class KernelsConfig:
     prompt_tokens: int = 512  # pp
     decode_tokens: int = 128  # tg, per sequence
     batch_seqs: int = 32
-    batch_prompt_tokens: int = 16  # 32 x 16 fit one prefill step of tidal's default token budget
+    batch_prompt_tokens: int = DEFAULT_BATCH_PROMPT_TOKENS
     tg_prompt_tokens: int = 4
     profile_steps: int = 32
     seed: int = 0
@@ -57,9 +65,11 @@ class KernelsConfig:
     sampling: dict[str, Any] = field(default_factory=dict)
 
     def names(self) -> tuple[str, str, str]:
-        """The three measures' names, llama-bench's style: pp512, tg128, b32-tg128."""
-        n = self.decode_tokens
-        return f"pp{self.prompt_tokens}", f"tg{n}", f"b{self.batch_seqs}-tg{n}"
+        """The three measures' names, llama-bench's style: pp512, tg128, b32-tg128 (b4-pp2048-tg128
+        where the batched prompts are not the default 16 tokens)."""
+        n, npp = self.decode_tokens, self.batch_prompt_tokens
+        ctx = "" if npp == DEFAULT_BATCH_PROMPT_TOKENS else f"-pp{npp}"
+        return f"pp{self.prompt_tokens}", f"tg{n}", f"b{self.batch_seqs}{ctx}-tg{n}"
 
 
 class Row(NamedTuple):
@@ -200,14 +210,32 @@ def prefill_rate(llm, prompts: _Prompts, length: int, sampling: dict[str, Any]) 
     return length / (out.metrics.first_token_time_s - out.metrics.arrival_time_s)
 
 
+def _prefilled(llm, batch: list[list[int]], sampling: dict[str, Any]) -> list[list[int]]:
+    """`batch`, prefilled once (max_tokens=1) into the prefix cache when its prompts take more
+    than one step's token budget, so that a run on them takes every first token in one step."""
+    total = sum(len(p) for p in batch)
+    if total > llm.config.scheduler.max_num_batched_tokens:
+        if not llm.config.cache.enable_prefix_caching:
+            raise ValueError(
+                f"{len(batch)} prompts of {total // len(batch)} tokens take several prefill "
+                "steps, which a decode window would count: decode measures need the prefix "
+                "cache (enable_prefix_caching) for prompts this long"
+            )
+        llm.generate(prompt_token_ids=batch, sampling_params=_params(1, sampling))
+    return batch
+
+
 def decode_rate(
     llm, prompts: _Prompts, num_seqs: int, prompt_len: int, tokens: int, sampling: dict[str, Any]
 ) -> float:
     """Decode tokens/s of num_seqs sequences generating `tokens` each after their first token
     (that one comes from the prefill). The window opens at the first sequence's first token, so
-    a prefill that spreads over several steps counts against tidal, never for it."""
-    outs = llm.generate(prompt_token_ids=prompts.take(num_seqs, prompt_len),
-                        sampling_params=_params(tokens + 1, sampling))  # fmt: skip
+    a prefill that spreads over several steps counts against tidal, never for it. Prompts that
+    do not fit one step's token budget are prefilled first (max_tokens=1), so that the timed
+    run's prompts hit the prefix cache and every first token comes from one step: decode alone,
+    as llama-batched-bench's S_TG times it after its prompts."""
+    batch = _prefilled(llm, prompts.take(num_seqs, prompt_len), sampling)
+    outs = llm.generate(prompt_token_ids=batch, sampling_params=_params(tokens + 1, sampling))
     for o in outs:
         if len(o.outputs[0].token_ids) != tokens + 1:
             raise RuntimeError(f"expected {tokens + 1} tokens, got {len(o.outputs[0].token_ids)}")
@@ -321,16 +349,19 @@ def profile_decode(
 ) -> StepProfile:
     """Per decode step of `seqs` sequences together: the wall time of the steps of a generate()
     of 1 + steps tokens each (first token of any to last token of any, so no prefill), and its
-    profiled regions minus those of a generate() of 1 token each (the same prefills). One
+    profiled regions minus those of a generate() of 1 token each (the same prompts). One
     sequence's prompt is the tg measure's length, several's the batched measure's. The
     profiler's own cost per op lands in 'other'."""
     from tidal.layers.sampler import SAMPLER_REGION
 
     steps = cfg.profile_steps
     length = cfg.tg_prompt_tokens if seqs == 1 else cfg.batch_prompt_tokens
+    # Both runs on one set of prompts: long ones (prefilled first) are prefix-cache hits in both,
+    # short ones full prefills in both, so the difference is the decode steps either way.
+    batch = _prefilled(llm, prompts.take(seqs, length), cfg.sampling)
 
     def run(tokens: int) -> tuple[float, dict[str, float], float]:
-        return _profiled(llm, prompts.take(seqs, length), tokens, cfg.sampling)
+        return _profiled(llm, batch, tokens, cfg.sampling)
 
     _, native_1, aten_1 = run(1)
     wall_n, native_n, aten_n = run(1 + steps)
@@ -449,6 +480,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--prompt-tokens", type=int, default=d.prompt_tokens,
                    help="the pp measure's prompt length (e.g. 6000 for a long document)")  # fmt: skip
+    p.add_argument("--batch-seqs", type=int, default=d.batch_seqs,
+                   help="sequences of the batched decode measure")  # fmt: skip
+    p.add_argument("--batch-prompt-tokens", type=int, default=d.batch_prompt_tokens,
+                   help="each batched sequence's prompt (e.g. 2048: decode over long chats)")  # fmt: skip
     p.add_argument("--llama-bin-dir", default=None,
                    help="where llama-bench and llama-batched-bench are (default: tidal's cache)")  # fmt: skip
     p.add_argument("--tidal-arg", action="append", default=None, metavar="KEY=VALUE",
@@ -469,11 +504,13 @@ def run(args: argparse.Namespace) -> int:
     """`tidal bench kernels`: llama.cpp's two benches, then tidal's, on one GGUF; one report."""
     from tidal.bench.report import machine_info, write_markdown
 
-    for name in ("threads", "repetitions", "profile_steps", "prompt_tokens"):
+    for name in ("threads", "repetitions", "profile_steps", "prompt_tokens", "batch_seqs",
+                 "batch_prompt_tokens"):  # fmt: skip
         if getattr(args, name) < 1:
             raise ValueError(f"{name}={getattr(args, name)} is invalid: expected an integer >= 1")
     cfg = KernelsConfig(threads=args.threads, repetitions=args.repetitions, seed=args.seed,
                         profile_steps=args.profile_steps, prompt_tokens=args.prompt_tokens,
+                        batch_seqs=args.batch_seqs, batch_prompt_tokens=args.batch_prompt_tokens,
                         sampling=parse_sampling_args(args.sampling or ()))  # fmt: skip
     tidal_args = parse_tidal_args(args.tidal_arg or ())
     if args.model:
