@@ -76,3 +76,15 @@ def test_paths_and_the_env_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TIDAL_KERNEL_ISA", "avx512")
     assert default_path(["avx2", "scalar"]) == "avx2"
     assert argmax.isas()[-1] == "scalar"
+    # gguf_gemm's own avx2vnni sits between avx2 and avx512; every other kernel reads it as avx2
+    from tidal.kernels.isa import ISA_AVX2, capped_isa, requested_isa
+
+    both = ["avx512", "avx2vnni", "avx2", "scalar"]
+    monkeypatch.setenv("TIDAL_KERNEL_ISA", "avx2vnni")
+    assert default_path(both) == "avx2vnni" and default_path(["avx2", "scalar"]) == "avx2"
+    assert requested_isa() == ISA_AVX2 and capped_isa(2) == ISA_AVX2
+    monkeypatch.setenv("TIDAL_KERNEL_ISA", "avx2")
+    assert default_path(both) == "avx2"
+    monkeypatch.setenv("TIDAL_KERNEL_ISA", "neon")
+    with pytest.raises(ValueError, match="avx2vnni"):
+        default_path(both)

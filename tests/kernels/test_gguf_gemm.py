@@ -20,7 +20,7 @@ from gguf import quants as gq
 from tidal.kernels import gguf_gemm as gg
 from tidal.kernels.bench_gguf import random_blocks
 from tidal.kernels.build import cpu_flags
-from tidal.kernels.isa import ISA_CPU_FLAGS
+from tidal.kernels.isa import ISA_CPU_FLAGS, PATH_ORDER
 
 pytestmark = pytest.mark.skipif(not gg.available(), reason="no C compiler: the torch fallback runs")
 
@@ -240,13 +240,19 @@ def test_dequantize_into_rows_of_a_wider_buffer(t: Q) -> None:
 
 def test_isas_and_the_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ISAS[-1] == "scalar" and gg.default_isa() == ISAS[0]
-    assert ISAS == sorted(ISAS, key=gg._ISA_CODES.get, reverse=True)  # best first
-    if ISA_CPU_FLAGS["avx512"] <= cpu_flags() and gg._library().tidal_gguf_has_avx512():
+    assert ISAS == sorted(ISAS, key=PATH_ORDER.index, reverse=True)  # best first
+    lib = gg._library()
+    if ISA_CPU_FLAGS["avx512"] <= cpu_flags() and lib.tidal_gguf_has_avx512():
         assert ISAS[0] == "avx512"
-    # each name is a ceiling: the best path at or below it (=avx512 on an AVX2 machine: avx2)
+    # AVX-VNNI wherever the build has it and the CPU runs it (a Zen 5 has it beside AVX-512)
+    vex = ISA_CPU_FLAGS["avx2vnni"] <= cpu_flags() and lib.tidal_gguf_has_avx2vnni()
+    assert ("avx2vnni" in ISAS) == bool(vex)
+    # each name is a ceiling: the best path at or below it (=avx512 on an AVX2 machine: avx2;
+    # =avx2 on an AVX-VNNI machine: plain AVX2, as a machine without it runs)
     expect = {
         "avx512": ISAS[0],
-        "avx2": next(i for i in ISAS if i != "avx512"),
+        "avx2vnni": next(i for i in ISAS if i != "avx512"),
+        "avx2": next(i for i in ISAS if i not in ("avx512", "avx2vnni")),
         "scalar": "scalar",
     }
     try:
@@ -278,6 +284,22 @@ def test_avx512_against_avx2(t: Q) -> None:
     scale = torch.from_numpy(np.abs(x.numpy()) @ np.abs(dequantized(w)).T)
     assert ((f512 - f2).abs() <= 2 * F32_TOL * scale).all()
     check(f512, x, w, "f32")
+
+
+@pytest.mark.skipif("avx2vnni" not in ISAS, reason="no AVX-VNNI path here")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [1, 2, 3, 11, 70])
+def test_avx2vnni_against_avx2(t: Q, m: int) -> None:
+    """AVX-VNNI is AVX2's path with vpdpbusd for q8's integer sums: with a row of x in place
+    (M <= 2), through the panels (in tiles of AVX2's height) and past one pass of 64 rows, the
+    same integers, so AVX2's bits in both modes."""
+    k = _k_of(t, 9, 3)
+    w = weight(t, 35, k, random_bytes=True)
+    torch.manual_seed(m)
+    x = torch.randn(m, k)
+    for act in gg.ACTS:
+        assert torch.equal(gg.gguf_gemm(x, w, act, "avx2vnni"), gg.gguf_gemm(x, w, act, "avx2"))
+    check(gg.gguf_gemm(x, w, "q8", "avx2vnni"), x, w, "q8")
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -54,7 +54,9 @@
  * CHUNK = QG2 of them together (q8_group16_avx512).
  * Kernels: one function per (type, act, ISA), picked at run time by `isa`: ISA_AVX512 (compiled
  * where the build has AVX-512 F/BW/VL + VNNI besides AVX2's set), ISA_AVX2 (AVX2+FMA+F16C) or
- * ISA_SCALAR (plain C; f32 sums in another order, q8 gives the same bits). Each is a table in
+ * ISA_SCALAR (plain C; f32 sums in another order, q8 gives the same bits), and ISA_AVX2_VNNI,
+ * AVX2's kernels with AVX-VNNI's 256-bit vpdpbusd for q8's integer sums (the same bits again;
+ * compiled where the build has AVX-VNNI). Each is a table in
  * pick(); an entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up
  * in a table of their block's float weights (one permute per 16 codes, see b32_weights512); q8 is
  * AVX2's kernels with vpdpbusd (dpbusd()), sixteen outputs a vector past two rows of x
@@ -72,6 +74,11 @@
     && defined(__AVX512VNNI__)
 #define HAVE_AVX512 1
 #endif
+/* AVX-VNNI: vpdpbusd on 256 bits in a VEX encoding, without AVX-512 (Intel cores from Alder Lake
+ * on, the E-core Xeons; AMD from Zen 5, which has AVX-512 besides) */
+#if defined(HAVE_AVX2) && defined(__AVXVNNI__)
+#define HAVE_AVXVNNI 1
+#endif
 
 enum {
     T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
@@ -83,6 +90,9 @@ static const int8_t IQ4NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10
                                         1,    13,   25,  38,  53,  69,  89,  113};
 enum { ACT_F32 = 0, ACT_Q8 = 1 };
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
+/* This file's own path: AVX2's kernels with AVX-VNNI's vpdpbusd for the q8 integer sums (every
+ * other kernel takes it as ISA_AVX2; tidal/kernels/gguf_gemm.py names it "avx2vnni"). */
+enum { ISA_AVX2_VNNI = 3 };
 enum { ERR_TYPE = -1, ERR_SHAPE = -2, ERR_ISA = -3, ERR_NOMEM = -4 };
 
 #define MT 8             /* rows of x per pass over a weight row */
@@ -133,6 +143,14 @@ static inline float xs_scale(const uint8_t *sb, int j, float d) {
 
 int tidal_gguf_has_avx2(void) {
 #ifdef HAVE_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int tidal_gguf_has_avx2vnni(void) {
+#ifdef HAVE_AVXVNNI
     return 1;
 #else
     return 0;
@@ -658,22 +676,34 @@ ALWAYS __m256i b32_codes_avx2(int type, const uint8_t *w, int64_t g, float *d) {
 /* the offset of Q4_0/Q5_0's unsigned codes; 0: a signed type (Q8_0, IQ4), or a K-quant */
 ALWAYS int code_offset(int type) { return type == T_Q4_0 ? 8 : type == T_Q5_0 ? 16 : 0; }
 
-/* q8 with VNNI (vnni != 0, AVX-512 builds only): vpdpbusd adds each lane's four u8 x s8
- * products to an int32 in one instruction, exact, where AVX2 spends maddubs + madd (+ sign).
- * Its unsigned operand is the weight: the signed types (Q8_0, IQ4) store q + 128 (q ^ 0x80) and
- * take 128 * (sum of x's codes) off, as Q4_0/Q5_0 take their offset; the integers, so the bits,
- * are AVX2's. */
+/* q8 with VNNI (vnni != 0): vpdpbusd adds each lane's four u8 x s8 products to an int32 in one
+ * instruction, exact, where AVX2 spends maddubs + madd (+ sign). Its unsigned operand is the
+ * weight: the signed types (Q8_0, IQ4) store q + 128 (q ^ 0x80) and take 128 * (sum of x's
+ * codes) off, as Q4_0/Q5_0 take their offset; the integers, so the bits, are AVX2's. VNNI_EVEX:
+ * AVX-512 VL's encoding (AVX-512 builds); VNNI_VEX: AVX-VNNI's, the same instruction on machines
+ * without AVX-512 (16 ymm registers: the tiles stay AVX2's height). */
+enum { VNNI_NONE = 0, VNNI_EVEX = 1, VNNI_VEX = 2 };
 #ifdef HAVE_AVX512
-#define VNNI_BUILT 1
-ALWAYS __m256i dpbusd(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#define EVEX_BUILT 1
 #else
-#define VNNI_BUILT 0
-ALWAYS __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
-    (void)u, (void)s;
+#define EVEX_BUILT 0
+#endif
+#ifdef HAVE_AVXVNNI
+#define VEX_BUILT 1
+#else
+#define VEX_BUILT 0
+#endif
+ALWAYS __m256i dpbusd(int vnni, __m256i acc, __m256i u, __m256i s) {
+#ifdef HAVE_AVXVNNI
+    if (vnni == VNNI_VEX) return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+#ifdef HAVE_AVX512
+    if (vnni == VNNI_EVEX) return _mm256_dpbusd_epi32(acc, u, s);
+#endif
+    (void)vnni, (void)u, (void)s;
     __builtin_unreachable();
     return acc;
 }
-#endif
 /* the offset q8_scale_run takes off: the codes' offset, and on VNNI the signed types' 128 */
 ALWAYS int q8_offset(int type, int vnni) {
     return vnni && !code_offset(type) && runs32(type) ? 128 : code_offset(type);
@@ -862,8 +892,8 @@ ALWAYS void q8_rows(int type, int vnni, const qrun *P, int64_t nr, const uint8_t
                 __m256i u = p->u[g], v = p->u[g + 4];
 #define S_VNNI(i)                                                                             \
     if (R > i) {                                                                              \
-        s##i = dpbusd(s##i, u, XQ(i, g));                                                     \
-        t##i = dpbusd(t##i, v, XQ(i, g + 4));                                                 \
+        s##i = dpbusd(vnni, s##i, u, XQ(i, g));                                               \
+        t##i = dpbusd(vnni, t##i, v, XQ(i, g + 4));                                           \
     }
                 ROWS(S_VNNI)
             }
@@ -961,7 +991,7 @@ ALWAYS void q8_direct(int type, int vnni, const uint8_t *w, int64_t rb, int nc, 
     }
 #define DOT(c)                                                                                \
     __m256i p##c;                                                                             \
-    if (vnni) p##c = dpbusd(zero, q##c, xv);                                                  \
+    if (vnni) p##c = dpbusd(vnni, zero, q##c, xv);                                            \
     else {                                                                                    \
         p##c = off ? _mm256_maddubs_epi16(q##c, xv)                                           \
                    : _mm256_maddubs_epi16(_mm256_sign_epi8(q##c, q##c), _mm256_sign_epi8(xv, q##c)); \
@@ -995,7 +1025,7 @@ ALWAYS void q8_direct(int type, int vnni, const uint8_t *w, int64_t rb, int nc, 
     }
 #define DOT(c)                                                                                \
     __m256i kc##c = _mm256_load_si256((const __m256i *)(k[c].q + 32 * j));                    \
-    __m256i p##c = vnni ? dpbusd(zero, kc##c, xv) : _mm256_madd_epi16(_mm256_maddubs_epi16(kc##c, xv), ones);
+    __m256i p##c = vnni ? dpbusd(vnni, zero, kc##c, xv) : _mm256_madd_epi16(_mm256_maddubs_epi16(kc##c, xv), ones);
                 ROW_K(0)
                 ROW_K(1)
 #undef DOT
@@ -1035,7 +1065,8 @@ ALWAYS void q8_group(int type, int vnni, const uint8_t *w, int64_t rb, int nc, i
             if (kq) k_panel(type, vnni, w, rb, nc, r0 / 8, r1 / 8, nb, pf, P);
             else b32_panel(type, vnni, w, rb, nc, r0, r1, runs, pf, P);
             const uint8_t *xs = x + m0 * ldx + r0 * X32_BYTES;
-            const int qr = vnni ? QR : 4; /* VNNI: 32 registers (8 rows: 3-10% on the K-quants) */
+            /* EVEX: 32 registers (8 rows: 3-10% on the K-quants); AVX2 and VEX: 16 */
+            const int qr = vnni == VNNI_EVEX ? QR : 4;
             for (int64_t i = 0; i < mq; i += qr) {
                 __m256 a[QR];
                 int R = (int)(mq - i < qr ? mq - i : qr);
@@ -1054,14 +1085,18 @@ ALWAYS void q8_group(int type, int vnni, const uint8_t *w, int64_t rb, int nc, i
     }
 }
 
-/* q8 for a group on AVX2, or with VNNI (vnni: only where VNNI_BUILT) */
+/* q8 for a group on AVX2, or with VNNI (vnni: VNNI_EVEX where EVEX_BUILT, VNNI_VEX where
+ * VEX_BUILT) */
 static void q8_group_avx2(int vnni, int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
                           const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M,
                           float *y, int64_t ldy) {
     /* one specialization per (type, VNNI or not) */
 #define Q8T(t)                                                                                \
-    if (VNNI_BUILT && vnni) q8_group(t, VNNI_BUILT, w, rb, nc, nb, next, x, ldx, M, y, ldy);    \
-    else q8_group(t, 0, w, rb, nc, nb, next, x, ldx, M, y, ldy);
+    if (EVEX_BUILT && vnni == VNNI_EVEX)                                                      \
+        q8_group(t, EVEX_BUILT ? VNNI_EVEX : 0, w, rb, nc, nb, next, x, ldx, M, y, ldy);       \
+    else if (VEX_BUILT && vnni == VNNI_VEX)                                                   \
+        q8_group(t, VEX_BUILT ? VNNI_VEX : 0, w, rb, nc, nb, next, x, ldx, M, y, ldy);         \
+    else q8_group(t, VNNI_NONE, w, rb, nc, nb, next, x, ldx, M, y, ldy);
 #define Q8G(t) case t: { Q8T(t) } break;
     switch (type) {
     Q8G(T_Q8_0) Q8G(T_Q4_0) Q8G(T_Q5_0) Q8G(T_IQ4_NL) Q8G(T_IQ4_XS) Q8G(T_Q4_K) Q8G(T_Q5_K)
@@ -1393,7 +1428,7 @@ ALWAYS void q8_group16(int type, const uint8_t *w, int64_t rb, int nc, int64_t n
     if (nc <= QG || M <= QD) {
         for (int n = 0; n < nc; n += QG) {
             const uint8_t *nx = n + QG < nc ? w + (n + QG) * rb : next;
-            q8_group(type, 1, w + n * rb, rb, nc - n < QG ? nc - n : QG, nb, nx, x, ldx, M,
+            q8_group(type, VNNI_EVEX, w + n * rb, rb, nc - n < QG ? nc - n : QG, nb, nx, x, ldx, M,
                      y + n, ldy);
         }
         return;
@@ -1412,8 +1447,8 @@ ALWAYS void q8_group16(int type, const uint8_t *w, int64_t rb, int nc, int64_t n
                 const uint8_t *wh = w + h * QG * rb;
                 const uint8_t *pf = m0 == 0 && next ? next + h * QG * rb : NULL;
                 int nch = h ? nc - QG : QG;
-                if (kq) k_panel(type, 1, wh, rb, nch, r0 / 8, r1 / 8, nb, pf, P);
-                else b32_panel(type, 1, wh, rb, nch, r0, r1, runs, pf, P);
+                if (kq) k_panel(type, VNNI_EVEX, wh, rb, nch, r0 / 8, r1 / 8, nb, pf, P);
+                else b32_panel(type, VNNI_EVEX, wh, rb, nch, r0, r1, runs, pf, P);
                 panel_half(type, P, r1 - r0, h, P2);
             }
             const uint8_t *xs = x + m0 * ldx + r0 * X32_BYTES;
@@ -1558,6 +1593,7 @@ static tile_fn pick(int isa, int act, int type) {
 
 /* whether q8 on `isa` runs q8_group_avx2 (AVX2, and AVX-512 with VNNI where it is built) */
 static int q8_grouped(int isa) {
+    (void)isa; /* a build without AVX2 groups nothing */
 #ifdef HAVE_AVX512
     if (isa == ISA_AVX512) return 1;
 #endif
@@ -1619,6 +1655,10 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
     int64_t nch[MAX_SEG], total = 0;
     int rc = read_segs(segs, nseg, K, sg);
     if (rc) return rc;
+    /* AVX-VNNI is AVX2's path with vpdpbusd for q8's integer sums: AVX2 everywhere else */
+    const int vex = isa == ISA_AVX2_VNNI;
+    if (vex && !tidal_gguf_has_avx2vnni()) return ERR_ISA;
+    if (vex) isa = ISA_AVX2;
     if (act != ACT_F32 && act != ACT_Q8) return ERR_SHAPE;
     int grouped = act == ACT_Q8 && q8_grouped((int)isa);
     for (int s = 0; s < MAX_SEG; s++) {
@@ -1666,7 +1706,8 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
 #endif
                 for (int64_t n = lo; n < hi; n += QG) {
                     const uint8_t *next = n + QG < g->n ? g->w + (n + QG) * g->rb : NULL;
-                    q8_group_avx2(isa == ISA_AVX512, g->type, g->w + n * g->rb, g->rb,
+                    q8_group_avx2(isa == ISA_AVX512 ? VNNI_EVEX : vex ? VNNI_VEX : VNNI_NONE,
+                                  g->type, g->w + n * g->rb, g->rb,
                                   (int)(hi - n < QG ? hi - n : QG),
                                   g->nb, next, xq, r32, M, y + g->col0 + n, ldy);
                 }
@@ -1769,6 +1810,7 @@ int tidal_gguf_dequantize(const uint8_t *w, int64_t type, int64_t K, const int64
     int be = tidal_gguf_block_elems((int)type);
     if (be == 0) return ERR_TYPE;
     if (K <= 0 || K % be) return ERR_SHAPE;
+    if (isa == ISA_AVX2_VNNI && tidal_gguf_has_avx2vnni()) isa = ISA_AVX2; /* no integer sums */
     if (isa != ISA_SCALAR && !(isa == ISA_AVX2 && tidal_gguf_has_avx2())
         && !(isa == ISA_AVX512 && tidal_gguf_has_avx512()))
         return ERR_ISA;

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidal.kernels.build import load
-from tidal.kernels.isa import ISA_NAMES, default_path, library_paths
+from tidal.kernels.build import cpu_flags, load
+from tidal.kernels.isa import ISA_CPU_FLAGS, ISA_NAMES, PATH_ORDER, default_path, library_paths
 
 # ggml type numbers as in tidal.quant.gguf_types.GGMLType (an IntEnum: its members work here;
 # kernels/ sits below loader/ in the layering, hence plain ints): name, elements, bytes per block.
@@ -32,7 +32,8 @@ SUPPORTED_TYPES: frozenset[int] = frozenset(_BLOCKS)
 MAX_SEGMENTS = 4
 ACTS = ("f32", "q8")
 _ACT_CODES = {"f32": 0, "q8": 1}
-_ISA_CODES = ISA_NAMES  # scalar 0, avx2 1, avx512 2 (AVX-512 F/BW/VL with VNNI)
+# scalar 0, avx2 1, avx512 2 (AVX-512 F/BW/VL with VNNI), and this kernel's own avx2vnni 3
+_ISA_CODES = {**ISA_NAMES, "avx2vnni": 3}
 _ERRORS = {-1: "unsupported ggml type", -2: "bad shape", -3: "ISA not built", -4: "no memory"}
 
 # NOTE: every argument crosses as c_void_p (the C side takes pointers and int64_t): ctypes
@@ -175,8 +176,17 @@ def available() -> bool:
 
 @functools.cache
 def isas() -> list[str]:
-    """The kernel paths this machine runs, best first, "scalar" last ([] without the library)."""
-    return library_paths(_library(), "tidal_gguf")
+    """The kernel paths this machine runs, best first, "scalar" last ([] without the library):
+    avx2vnni where the library was built with AVX-VNNI and the CPU has it."""
+    lib = _library()
+    paths = library_paths(lib, "tidal_gguf")
+    if (
+        lib is not None
+        and lib.tidal_gguf_has_avx2vnni()
+        and ISA_CPU_FLAGS["avx2vnni"] <= cpu_flags()
+    ):
+        paths.append("avx2vnni")
+    return sorted(paths, key=lambda name: -PATH_ORDER.index(name))
 
 
 @functools.cache
