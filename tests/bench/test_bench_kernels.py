@@ -16,15 +16,12 @@ from tidal.bench.cli import add_parser
 from tidal.bench.kernels import (
     KernelsConfig,
     Row,
-    StepProfile,
     cpu_flags,
     kernel_paths,
     markdown_report,
     parse_sampling_args,
     parse_tidal_args,
-    profile_markdown,
     run_tidal,
-    split_events,
 )
 from tidal.bench.llama_bench import (
     Measure,
@@ -33,6 +30,7 @@ from tidal.bench.llama_bench import (
     parse_llama_bench,
     run_llama,
 )
+from tidal.bench.step_profile import StepProfile, profile_markdown, split_events
 from tidal.layers.sampler import Sampler
 
 # `llama-bench -m gemma-3-270m-q4_k_m.gguf -t 2 -p 64 -n 16 -r 2 -o json` (stdout) of the
