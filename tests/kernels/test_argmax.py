@@ -85,6 +85,15 @@ def test_paths_and_the_env_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
     assert requested_isa() == ISA_AVX2 and capped_isa(2) == ISA_AVX2
     monkeypatch.setenv("TIDAL_KERNEL_ISA", "avx2")
     assert default_path(both) == "avx2"
+    # its amx sits above avx512, which every other kernel runs under that name
+    from tidal.kernels.isa import ISA_AVX512
+
+    every = ["amx", *both]
+    monkeypatch.setenv("TIDAL_KERNEL_ISA", "amx")
+    assert default_path(every) == "amx" and default_path(both) == "avx512"
+    assert requested_isa() == ISA_AVX512 and capped_isa(ISA_AVX512) == ISA_AVX512
+    monkeypatch.setenv("TIDAL_KERNEL_ISA", "avx512")
+    assert default_path(every) == "avx512"
     monkeypatch.setenv("TIDAL_KERNEL_ISA", "neon")
     with pytest.raises(ValueError, match="avx2vnni"):
         default_path(both)

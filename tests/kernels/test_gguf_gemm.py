@@ -245,18 +245,20 @@ def test_isas_and_the_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ISAS == sorted(ISAS, key=PATH_ORDER.index, reverse=True)  # best first
     lib = gg._library()
     if ISA_CPU_FLAGS["avx512"] <= cpu_flags() and lib.tidal_gguf_has_avx512():
-        assert ISAS[0] == "avx512"
+        assert "avx512" in ISAS and ISAS[0] in ("amx", "avx512")
     # AVX-VNNI wherever the build has it and the CPU runs it (a Zen 5 has it beside AVX-512)
     vex = ISA_CPU_FLAGS["avx2vnni"] <= cpu_flags() and lib.tidal_gguf_has_avx2vnni()
     assert ("avx2vnni" in ISAS) == bool(vex)
+    # AMX wherever the build has it, the CPU runs it and the OS grants the tile state
+    amx = ISA_CPU_FLAGS["amx"] <= cpu_flags() and lib.tidal_gguf_has_amx()
+    assert ("amx" in ISAS) == bool(amx) and (not amx or ISAS[0] == "amx")
     # each name is a ceiling: the best path at or below it (=avx512 on an AVX2 machine: avx2;
     # =avx2 on an AVX-VNNI machine: plain AVX2, as a machine without it runs)
-    expect = {
-        "avx512": ISAS[0],
-        "avx2vnni": next(i for i in ISAS if i != "avx512"),
-        "avx2": next(i for i in ISAS if i not in ("avx512", "avx2vnni")),
-        "scalar": "scalar",
-    }
+    above: list[str] = []
+    expect = {}
+    for name in reversed(PATH_ORDER):
+        expect[name] = next(i for i in ISAS if i not in above)
+        above.append(name)
     try:
         for name, path in expect.items():
             monkeypatch.setenv("TIDAL_KERNEL_ISA", name)
@@ -295,13 +297,40 @@ def test_avx2vnni_against_avx2(t: Q, m: int) -> None:
     """AVX-VNNI is AVX2's path with vpdpbusd for q8's integer sums: with a row of x in place
     (M <= 2), through the panels (in tiles of AVX2's height) and past one pass of 64 rows, the
     same integers, so AVX2's bits in both modes."""
+    x, w = _same_bits_on_both(t, m, "avx2vnni", "avx2")
+    check(gg.gguf_gemm(x, w, "q8", "avx2vnni"), x, w, "q8")
+
+
+def _same_bits_on_both(t: Q, m: int, path: str, base: str) -> tuple[torch.Tensor, gg.BlockWeight]:
+    """Asserts that `path` gives `base`'s bits in both modes on M = m rows of x against 35 rows of
+    random blocks of type t (K an odd count of blocks); returns (x, w)."""
     k = _k_of(t, 9, 3)
     w = weight(t, 35, k, random_bytes=True)
     torch.manual_seed(m)
     x = torch.randn(m, k)
     for act in gg.ACTS:
-        assert torch.equal(gg.gguf_gemm(x, w, act, "avx2vnni"), gg.gguf_gemm(x, w, act, "avx2"))
-    check(gg.gguf_gemm(x, w, "q8", "avx2vnni"), x, w, "q8")
+        assert torch.equal(gg.gguf_gemm(x, w, act, path), gg.gguf_gemm(x, w, act, base))
+    return x, w
+
+
+@pytest.mark.skipif("amx" not in ISAS, reason="no AMX path here")
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [15, 16, 17, 33, 70])
+def test_amx_against_avx512(t: Q, m: int) -> None:
+    """AMX is AVX-512's path with the tile unit's int8 dot products for q8 from 16 rows of x:
+    the same integers and float steps, so AVX-512's bits, with a tile of x cut short (17, 33,
+    70), weight rows past the last tile of 16 (N 35), every thread count, and in a fused call."""
+    x, w = _same_bits_on_both(t, m, "amx", "avx512")
+    k = w.cols
+    for threads in (1, 3):
+        want = gg.gguf_gemm(x, w, "q8", "avx512", threads=threads)
+        assert torch.equal(gg.gguf_gemm(x, w, "q8", "amx", threads=threads), want)
+    kquant = gg._BLOCKS[int(t)][1] == 256
+    pair = (Q.Q6_K, Q.Q4_K) if kquant else (Q.Q8_0, Q.Q5_0)  # another type beside it
+    other = weight(pair[0] if t != pair[0] else pair[1], 20, k, random_bytes=True)
+    fused = gg.gguf_gemm(x, [w, other], "q8", "amx")
+    assert torch.equal(fused, gg.gguf_gemm(x, [w, other], "q8", "avx512"))
+    check(fused[:, :35], x, w, "q8")
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -56,7 +56,8 @@
  * where the build has AVX-512 F/BW/VL + VNNI besides AVX2's set), ISA_AVX2 (AVX2+FMA+F16C) or
  * ISA_SCALAR (plain C; f32 sums in another order, q8 gives the same bits), and ISA_AVX2_VNNI,
  * AVX2's kernels with AVX-VNNI's 256-bit vpdpbusd for q8's integer sums (the same bits again;
- * compiled where the build has AVX-VNNI). Each is a table in
+ * compiled where the build has AVX-VNNI), and ISA_AMX, AVX-512's with q8's integer sums on the AMX
+ * tile unit from AMX_MIN_ROWS rows of x (gguf_amx.h; the same bits again). Each is a table in
  * pick(); an entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up
  * in a table of their block's float weights (one permute per 16 codes, see b32_weights512); q8 is
  * AVX2's kernels with vpdpbusd (dpbusd()), sixteen outputs a vector past two rows of x
@@ -79,6 +80,10 @@
 #if defined(HAVE_AVX2) && defined(__AVXVNNI__)
 #define HAVE_AVXVNNI 1
 #endif
+/* AMX: the tile unit's int8 dot products (Xeons from Sapphire Rapids on), with AVX-512 beside */
+#if defined(HAVE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define HAVE_AMX 1
+#endif
 
 enum {
     T_Q4_0 = 2, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_IQ4_NL = 20,
@@ -93,6 +98,9 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 /* This file's own path: AVX2's kernels with AVX-VNNI's vpdpbusd for the q8 integer sums (every
  * other kernel takes it as ISA_AVX2; tidal/kernels/gguf_gemm.py names it "avx2vnni"). */
 enum { ISA_AVX2_VNNI = 3 };
+/* and AVX-512's path with q8's integer sums on AMX tiles from AMX_MIN_ROWS rows of x (gguf_amx.h;
+ * "amx") */
+enum { ISA_AMX = 4 };
 enum { ERR_TYPE = -1, ERR_SHAPE = -2, ERR_ISA = -3, ERR_NOMEM = -4 };
 
 #define MT 8             /* rows of x per pass over a weight row */
@@ -1483,6 +1491,18 @@ static void q8_group16_avx512(int type, const uint8_t *w, int64_t rb, int nc, in
 }
 
 #endif /* HAVE_AVX512 */
+#ifdef HAVE_AMX
+#include "gguf_amx.h"
+#endif
+
+/* 1 where the build has AMX and the OS granted this process the tile state (asked here once) */
+int tidal_gguf_has_amx(void) {
+#ifdef HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
 
 /* ---- one function per (type, act, ISA); constant tile heights let the row loops unroll ---- */
 #define TILE(name, body, type)                                                                \
@@ -1659,6 +1679,16 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
     const int vex = isa == ISA_AVX2_VNNI;
     if (vex && !tidal_gguf_has_avx2vnni()) return ERR_ISA;
     if (vex) isa = ISA_AVX2;
+    /* AMX is AVX-512's path with the tile unit for q8's integer sums from AMX_MIN_ROWS rows */
+    if (isa == ISA_AMX && !tidal_gguf_has_amx()) return ERR_ISA;
+#ifdef HAVE_AMX
+    int amx = 0; /* some segment's type runs on the tile unit (not Q6_K) */
+    for (int s = 0; s < MAX_SEG; s++) amx |= sg[s].n > 0 && AMX_ROWS_FN[sg[s].type] != NULL;
+    amx = amx && isa == ISA_AMX && act == ACT_Q8 && M >= AMX_MIN_ROWS;
+    const int64_t amx_tiles = (M + AMX_M - 1) / AMX_M, runs = K / 32;
+    amx_xrun *xt = NULL;
+#endif
+    if (isa == ISA_AMX) isa = ISA_AVX512;
     if (act != ACT_F32 && act != ACT_Q8) return ERR_SHAPE;
     int grouped = act == ACT_Q8 && q8_grouped((int)isa);
     for (int s = 0; s < MAX_SEG; s++) {
@@ -1678,12 +1708,31 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
 #endif
     uint8_t *xq = need <= sizeof(stack) ? stack : malloc(need);
     if (!xq) return ERR_NOMEM;
+#ifdef HAVE_AMX
+    if (amx && !(xt = aligned_alloc(64, (size_t)(amx_tiles * runs) * sizeof(amx_xrun)))) {
+        if (xq != stack) free(xq);
+        return ERR_NOMEM;
+    }
+#endif
 #pragma omp parallel num_threads(nthreads > 0 ? (int)nthreads : 1)
     {
         if (act == ACT_Q8) {
 #pragma omp for schedule(static)
             for (int64_t m = 0; m < M; m++) quant_x((int)isa, x + m * ldx, K, xq + m * r32);
         }
+#ifdef HAVE_AMX
+        /* the tile path; a thread without its scratch runs AVX-512's (the same bits) */
+        uint8_t *scratch = NULL;
+        if (amx) {
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < amx_tiles; t++) {
+                int mt = (int)(M - t * AMX_M < AMX_M ? M - t * AMX_M : AMX_M);
+                pack_x_amx(xq, r32, t * AMX_M, mt, runs, xt + t * runs);
+            }
+            size_t bytes = (amx_scratch_bytes(K) + 63) / 64 * 64;
+            if ((scratch = aligned_alloc(64, bytes))) amx_configure();
+        }
+#endif
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < total; c++) {
             int s = 0;
@@ -1691,6 +1740,13 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             while (cc >= nch[s]) cc -= nch[s++];
             const seg_t *g = &sg[s];
             int64_t lo = cc * CHUNK, hi = lo + CHUNK < g->n ? lo + CHUNK : g->n;
+#ifdef HAVE_AMX
+            if (scratch && AMX_ROWS_FN[g->type]) {
+                AMX_ROWS_FN[g->type](g->w + lo * g->rb, g->rb, (int)(hi - lo), g->nb, K, xt, M,
+                                     y + g->col0 + lo, ldy, scratch);
+                continue;
+            }
+#endif
 #ifdef HAVE_AVX2
             if (grouped) {
 #ifdef HAVE_AVX512
@@ -1735,7 +1791,16 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
                 }
             }
         }
+#ifdef HAVE_AMX
+        if (scratch) {
+            _tile_release();
+            free(scratch);
+        }
+#endif
     }
+#ifdef HAVE_AMX
+    free(xt);
+#endif
     if (xq != stack) free(xq);
     return 0;
 }
@@ -1811,6 +1876,7 @@ int tidal_gguf_dequantize(const uint8_t *w, int64_t type, int64_t K, const int64
     if (be == 0) return ERR_TYPE;
     if (K <= 0 || K % be) return ERR_SHAPE;
     if (isa == ISA_AVX2_VNNI && tidal_gguf_has_avx2vnni()) isa = ISA_AVX2; /* no integer sums */
+    if (isa == ISA_AMX && tidal_gguf_has_amx()) isa = ISA_AVX512;
     if (isa != ISA_SCALAR && !(isa == ISA_AVX2 && tidal_gguf_has_avx2())
         && !(isa == ISA_AVX512 && tidal_gguf_has_avx512()))
         return ERR_ISA;

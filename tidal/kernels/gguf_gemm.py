@@ -32,8 +32,9 @@ SUPPORTED_TYPES: frozenset[int] = frozenset(_BLOCKS)
 MAX_SEGMENTS = 4
 ACTS = ("f32", "q8")
 _ACT_CODES = {"f32": 0, "q8": 1}
-# scalar 0, avx2 1, avx512 2 (AVX-512 F/BW/VL with VNNI), and this kernel's own avx2vnni 3
-_ISA_CODES = {**ISA_NAMES, "avx2vnni": 3}
+# scalar 0, avx2 1, avx512 2 (AVX-512 F/BW/VL with VNNI), and this kernel's own avx2vnni 3 and
+# amx 4 (tidal/kernels/gguf_amx.h)
+_ISA_CODES = {**ISA_NAMES, "avx2vnni": 3, "amx": 4}
 _ERRORS = {-1: "unsupported ggml type", -2: "bad shape", -3: "ISA not built", -4: "no memory"}
 
 # NOTE: every argument crosses as c_void_p (the C side takes pointers and int64_t): ctypes
@@ -177,15 +178,14 @@ def available() -> bool:
 @functools.cache
 def isas() -> list[str]:
     """The kernel paths this machine runs, best first, "scalar" last ([] without the library):
-    avx2vnni where the library was built with AVX-VNNI and the CPU has it."""
+    avx2vnni where the library was built with AVX-VNNI and the CPU has it, amx where it was
+    built with AMX, the CPU has it and the OS grants the process its tile state."""
     lib = _library()
     paths = library_paths(lib, "tidal_gguf")
-    if (
-        lib is not None
-        and lib.tidal_gguf_has_avx2vnni()
-        and ISA_CPU_FLAGS["avx2vnni"] <= cpu_flags()
-    ):
-        paths.append("avx2vnni")
+    for name in ("avx2vnni", "amx") if lib is not None else ():
+        # NOTE: the flags first: tidal_gguf_has_amx() asks the OS for the tile state
+        if ISA_CPU_FLAGS[name] <= cpu_flags() and getattr(lib, f"tidal_gguf_has_{name}")():
+            paths.append(name)
     return sorted(paths, key=lambda name: -PATH_ORDER.index(name))
 
 

@@ -14,16 +14,22 @@ ISA_SCALAR, ISA_AVX2, ISA_AVX512 = 0, 1, 2
 ISA_NAMES: dict[str, int] = {"scalar": ISA_SCALAR, "avx2": ISA_AVX2, "avx512": ISA_AVX512}
 # Paths one kernel adds between the shared ones, with the shared code the rest of its work and
 # every other kernel take under that name: gguf_gemm's "avx2vnni" is AVX2 with AVX-VNNI's
-# vpdpbusd for its integer sums (Intel cores from Alder Lake on, the E-core Xeons).
-EXTRA_PATHS: dict[str, int] = {"avx2vnni": ISA_AVX2}
+# vpdpbusd for its integer sums (Intel cores from Alder Lake on, the E-core Xeons); its "amx" is
+# AVX-512 with the AMX tile unit for the int8 sums of batches of 16 rows and more (Xeons from
+# Sapphire Rapids on).
+EXTRA_PATHS: dict[str, int] = {"avx2vnni": ISA_AVX2, "amx": ISA_AVX512}
 # Every path name, lowest first: the order in which TIDAL_KERNEL_ISA's ceiling compares them.
-PATH_ORDER = ("scalar", "avx2", "avx2vnni", "avx512")
+PATH_ORDER = ("scalar", "avx2", "avx2vnni", "avx512", "amx")
 # /proc/cpuinfo flags (tidal.kernels.build.cpu_flags) a path needs to run
 ISA_CPU_FLAGS: dict[str, frozenset[str]] = {
     "scalar": frozenset(),
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "avx2vnni": frozenset({"avx2", "fma", "f16c", "avx_vnni"}),
     "avx512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+    "amx": frozenset(
+        {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+        | {"amx_tile", "amx_int8"}
+    ),
 }
 
 

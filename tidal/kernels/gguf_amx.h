@@ -1,0 +1,243 @@
+/* gguf_gemm's AMX path (included by gguf_gemm.c where the build has AMX-TILE and AMX-INT8 besides
+ * AVX-512): q8's integer sums of 16 weight rows x 16 rows of x on the tile unit, the float steps
+ * on AVX-512, from AMX_MIN_ROWS rows of x (below that a tile would be mostly padding).
+ *
+ * For one run of 32 values, TDPBSSD gives every (output n, row m) its exact int32 dot product of
+ * the weight's codes with x's, in one instruction where AVX-512 VNNI spends eight vpdpbusd and a
+ * sign fix per 16 outputs and row of x. The weight tile (A) is the codes as signed bytes, decoded
+ * once per 16 weight rows into a panel that every tile of x then reads (Q4_0/Q5_0 as q - 8,
+ * q - 16; IQ4 through its table; Q4_K/Q5_K's unsigned codes, below 32). x's tile (B) is its int8
+ * codes in the tile unit's layout: row k/4 holds, for each of the 16 rows of x, the four codes
+ * k..k+3 (pack_x_amx()). Q8_0's rows could be tiles straight from the file, but their 32 codes
+ * every 34 bytes straddle cache lines: a tile load of them took ~3x a panel's.
+ * The float steps are the other paths' (gguf_gemm.c's top): per run, in run order,
+ *     acc = fma((float)s, d_w * d_x, acc)                       runs of 32
+ *     acc = fma((float)s, d * d_x, acc); acc = fma(-(float)smin, dmin * d_x, acc)   K-quants
+ * with s and smin the same integers, so this path gives the other paths' bits: a row's result does
+ * not depend on whether its batch ran here or on AVX-512. Q6_K (a scale per 16 codes) stays on
+ * AVX-512: its two dot products per run, each stored and scaled, made it 0.95x of AVX-512 VNNI.
+ * Where the time goes (a run of 32, 16 x 16, one core, cycles at the TSC's rate, Xeon family 6
+ * model 207): the tile instructions ~26-40, the float steps ~23 (runs of 32) and ~57 (K-quants),
+ * and the two hardly overlap, as the float steps read the tile stores back from L1.
+ * The accumulators hold the 16 rows of x of one output in a vector, so a tile's results are
+ * written transposed into y.
+ * Linux grants a process the tile data state on request (arch_prctl(ARCH_REQ_XCOMP_PERM)):
+ * amx_permitted() asks once; without it the path is not offered (tidal_gguf_has_amx() == 0). The
+ * tile configuration is per thread: every thread of a call loads it and releases the tiles. */
+#include <sys/syscall.h>
+long syscall(long number, ...); /* unistd.h declares it only past -std=c11 (_DEFAULT_SOURCE) */
+
+#define AMX_MIN_ROWS 16 /* rows of x from which q8 runs on the tile unit */
+#define AMX_N 16        /* weight rows (outputs) per tile: CHUNK */
+#define AMX_M 16        /* rows of x per tile */
+
+/* one tile of x for one run: the B operand, and its rows' scales and 16-code sums (zeros past M) */
+typedef struct {
+    _Alignas(64) int8_t b[8][64];
+    float dx[AMX_M];
+    int32_t bs0[AMX_M], bs1[AMX_M];
+} amx_xrun;
+
+/* a panel's scales, per weight row n (row-major, so that the panel writes whole vectors): the
+ * runs of 32's d[n][run]; the K-quants' d[n][super-block], dm likewise, and sc[n][16 * block + i],
+ * mn likewise, their integer scales and mins per 16 codes as floats (exact: 13 bits at most) */
+typedef struct {
+    float *d, *dm, *sc, *mn;
+} amx_scales;
+
+static int amx_permitted(void) {
+    static int granted = -1; /* first asked from tidal_gguf_has_amx(), before any parallel call */
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                       18 /* XFEATURE_XTILEDATA */) == 0;
+    return granted;
+}
+
+/* tiles 0, 1: C (16 x 16 int32), 4, 5: A (16 weight rows x 32 codes), 6, 7: B (a run of x): two
+ * sets, so that consecutive runs' dot products do not wait for each other's tiles */
+static void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    const uint8_t rows[8] = {16, 16, 0, 0, 16, 16, 8, 8};
+    const uint16_t colsb[8] = {64, 64, 0, 0, 32, 32, 64, 64};
+    for (int t = 0; t < 8; t++) c.rows[t] = rows[t], c.colsb[t] = colsb[t];
+    _tile_loadconfig(&c);
+}
+
+/* rows m0..m0+mt-1 of the quantized x (xq, r32 bytes a row) as `runs` amx_xruns */
+static void pack_x_amx(const uint8_t *xq, int64_t r32, int64_t m0, int mt, int64_t runs,
+                       amx_xrun *X) {
+    for (int64_t r = 0; r < runs; r++) {
+        amx_xrun *p = X + r;
+        memset(p, 0, sizeof *p);
+        for (int m = 0; m < mt; m++) {
+            const uint8_t *src = xq + (m0 + m) * r32 + r * X32_BYTES;
+            int16_t bsum[2];
+            memcpy(&p->dx[m], src, 4);
+            memcpy(bsum, src + 4, 4);
+            p->bs0[m] = bsum[0];
+            p->bs1[m] = bsum[1];
+            for (int k4 = 0; k4 < 8; k4++) memcpy(&p->b[k4][4 * m], src + X32_Q + 4 * k4, 4);
+        }
+    }
+}
+
+/* nc weight rows' codes (A, lda bytes a row) and scales (S); rows past nc: zeros */
+ALWAYS void amx_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb, int64_t runs,
+                      int8_t *A, int64_t lda, const amx_scales *S) {
+    const int64_t per = runs32(type) ? runs : nb; /* d's and dm's per row */
+    for (int n = 0; n < AMX_N; n++) {
+        const uint8_t *row = w + n * rb;
+        int8_t *a = A + n * lda;
+        if (n >= nc) { /* their outputs are dropped: zeros keep the sums finite */
+            memset(a, 0, (size_t)(32 * runs));
+            memset(S->d + n * per, 0, (size_t)per * sizeof(float));
+            if (runs32(type)) continue;
+            memset(S->dm + n * nb, 0, (size_t)nb * sizeof(float));
+            memset(S->sc + n * nb * 16, 0, (size_t)nb * 16 * sizeof(float));
+            memset(S->mn + n * nb * 16, 0, (size_t)nb * 16 * sizeof(float));
+            continue;
+        }
+        if (runs32(type)) {
+            for (int64_t g = 0; g < runs; g++) {
+                __m256i q = b32_decode_avx2(type, row, g, &S->d[n * runs + g]);
+                _mm256_store_si256((__m256i *)(a + 32 * g), q);
+            }
+            continue;
+        }
+        _Alignas(32) kblock k;
+        for (int64_t b = 0; b < nb; b++) {
+            k_decode_avx2(type, row + b * block_bytes(type), &k, 0);
+            memcpy(a + 256 * b, k.q, 256);
+            S->d[n * nb + b] = k.d;
+            S->dm[n * nb + b] = k.dmin;
+            const __m256i sc = _mm256_load_si256((const __m256i *)k.sc);
+            const __m256i mn = _mm256_load_si256((const __m256i *)k.mn);
+            _mm512_store_ps(S->sc + (n * nb + b) * 16, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(sc)));
+            _mm512_store_ps(S->mn + (n * nb + b) * 16, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(mn)));
+        }
+    }
+}
+
+/* run r's dot products (c) into the accumulators: the float steps. The K-quants' integers are
+ * formed in float: s = sc * dot and smin = mn * bsum, products of integers exact in float32,
+ * round once each, as (float) of the int32 product does. */
+ALWAYS void amx_scale_run(int type, const amx_scales *S, int64_t r, int64_t runs,
+                          const amx_xrun *x, const int32_t c[AMX_N][AMX_M], __m512 acc[AMX_N]) {
+    const __m512 dx = _mm512_load_ps(x->dx);
+    if (runs32(type)) {
+#pragma GCC unroll 16
+        for (int n = 0; n < AMX_N; n++) {
+            __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(c[n]));
+            __m512 scale = _mm512_mul_ps(_mm512_set1_ps(S->d[n * runs + r]), dx);
+            acc[n] = _mm512_fmadd_ps(s, scale, acc[n]);
+        }
+        return;
+    }
+    /* Q4_K, Q5_K: one scale and min per 32 codes (sc_a = sc_b, mn_a = mn_b) */
+    const __m512 fbs = _mm512_cvtepi32_ps(
+        _mm512_add_epi32(_mm512_load_si512(x->bs0), _mm512_load_si512(x->bs1)));
+    const int64_t nb = runs / 8, b = r / 8, i = 2 * (r % 8);
+#pragma GCC unroll 16
+    for (int n = 0; n < AMX_N; n++) {
+        const float sc = S->sc[(n * nb + b) * 16 + i], mn = S->mn[(n * nb + b) * 16 + i];
+        __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[n])), _mm512_set1_ps(sc));
+        __m512 smin = _mm512_mul_ps(fbs, _mm512_set1_ps(mn));
+        __m512 d = _mm512_mul_ps(_mm512_set1_ps(S->d[n * nb + b]), dx);
+        __m512 dm = _mm512_mul_ps(_mm512_set1_ps(S->dm[n * nb + b]), dx);
+        acc[n] = _mm512_fmadd_ps(s, d, acc[n]);
+        acc[n] = _mm512_fnmadd_ps(smin, dm, acc[n]);
+    }
+}
+
+/* run r's tile instructions: its dot products into c (AMX_N x AMX_M int32). Even runs take
+ * tiles C0, A4, B6, odd ones C1, A5, B7: a run does not wait for the one before it to free its
+ * tiles. */
+ALWAYS void amx_dots(int odd, const int8_t *a, int64_t lda, const amx_xrun *x, int32_t *c) {
+    if (odd) {
+        _tile_zero(1);
+        _tile_loadd(5, a, lda);
+        _tile_loadd(7, x->b[0], 64);
+        _tile_dpbssd(1, 5, 7);
+        _tile_stored(1, c, 64);
+    } else {
+        _tile_zero(0);
+        _tile_loadd(4, a, lda);
+        _tile_loadd(6, x->b[0], 64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_stored(0, c, 64);
+    }
+}
+
+#define AMX_DEPTH 2 /* runs between a run's tile instructions and its float steps */
+
+/* one tile of x (X: its runs) against the panel (A: run r at A + 32 r, rows lda apart).
+ * A run's float steps come AMX_DEPTH runs after its tile instructions: a vector load waits for
+ * the tile store before it (no forwarding), and meanwhile the later runs' dot products go on. */
+ALWAYS void amx_tile(int type, const int8_t *A, int64_t lda, const amx_scales *S,
+                     const amx_xrun *X, int64_t runs, __m512 acc[AMX_N]) {
+    _Alignas(64) int32_t c[2 * AMX_DEPTH][AMX_N][AMX_M]; /* [run % (2 depth)] */
+    for (int n = 0; n < AMX_N; n++) acc[n] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < runs + AMX_DEPTH; r++) {
+        if (r < runs) amx_dots((int)(r & 1), A + 32 * r, lda, X + r, c[r % (2 * AMX_DEPTH)][0]);
+        int64_t q = r - AMX_DEPTH;
+        if (q >= 0) amx_scale_run(type, S, q, runs, X + q, c[q % (2 * AMX_DEPTH)], acc);
+    }
+}
+
+/* acc[n] lane m -> y[m * ldy + n], for n < nc, m < mt */
+static void amx_store(const __m512 acc[AMX_N], int nc, int mt, float *y, int64_t ldy) {
+    _Alignas(64) float t[AMX_N][AMX_M];
+    for (int n = 0; n < AMX_N; n++) _mm512_store_ps(t[n], acc[n]);
+    for (int m = 0; m < mt; m++)
+        for (int n = 0; n < nc; n++) y[m * ldy + n] = t[n][m];
+}
+
+/* a panel's row stride for K codes: a line more than K, so that a tile's 16 rows do not share
+ * L1's sets where K is a multiple of 64 lines */
+static int64_t amx_lda(int64_t K) { return K + 64; }
+
+/* scratch bytes one thread needs for a panel of K values (the codes, then 6 floats a run a row) */
+static size_t amx_scratch_bytes(int64_t K) {
+    return (size_t)(AMX_N * amx_lda(K)) + (size_t)(AMX_N * 6 * (K / 32)) * sizeof(float);
+}
+
+/* nc (<= AMX_N) weight rows against every tile of x (X: the tiles' runs) into y */
+ALWAYS void amx_rows_t(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb, int64_t K,
+                       const amx_xrun *X, int64_t M, float *y, int64_t ldy, uint8_t *scratch) {
+    const int64_t runs = K / 32, lda = amx_lda(K);
+    int8_t *A = (int8_t *)scratch; /* 64-byte aligned, as the scales after it */
+    float *f = (float *)(scratch + AMX_N * lda);
+    /* runs of 32: d per run; K-quants: d, dm per super-block (runs / 8), sc, mn per 16 codes */
+    const amx_scales S = {f, f + AMX_N * runs, f + 2 * AMX_N * runs, f + 4 * AMX_N * runs};
+    amx_panel(type, w, rb, nc, nb, runs, A, lda, &S);
+    __m512 acc[AMX_N];
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
+        amx_tile(type, A, lda, &S, X + m0 / AMX_M * runs, runs, acc);
+        amx_store(acc, nc, (int)(M - m0 < AMX_M ? M - m0 : AMX_M), y + m0 * ldy, ldy);
+    }
+}
+
+#define AMX_ROWS(name, t)                                                                      \
+    static void name(const uint8_t *w, int64_t rb, int nc, int64_t nb, int64_t K,             \
+                     const amx_xrun *X, int64_t M, float *y, int64_t ldy, uint8_t *scratch) {  \
+        amx_rows_t(t, w, rb, nc, nb, K, X, M, y, ldy, scratch);                                \
+    }
+AMX_ROWS(amx_q8_0, T_Q8_0)
+AMX_ROWS(amx_q4_0, T_Q4_0)
+AMX_ROWS(amx_q5_0, T_Q5_0)
+AMX_ROWS(amx_iq4_nl, T_IQ4_NL)
+AMX_ROWS(amx_iq4_xs, T_IQ4_XS)
+AMX_ROWS(amx_q4_k, T_Q4_K)
+AMX_ROWS(amx_q5_k, T_Q5_K)
+#undef AMX_ROWS
+
+typedef void (*amx_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, const amx_xrun *, int64_t,
+                       float *, int64_t, uint8_t *);
+static const amx_fn AMX_ROWS_FN[N_TYPES] = {
+    [T_Q8_0] = amx_q8_0, [T_Q4_0] = amx_q4_0, [T_Q5_0] = amx_q5_0, [T_IQ4_NL] = amx_iq4_nl,
+    [T_IQ4_XS] = amx_iq4_xs, [T_Q4_K] = amx_q4_k, [T_Q5_K] = amx_q5_k}; /* Q6_K: AVX-512's (see the top) */
