@@ -4,12 +4,14 @@
  *
  * For one run of 32 values, TDPBSSD gives every (output n, row m) its exact int32 dot product of
  * the weight's codes with x's, in one instruction where AVX-512 VNNI spends eight vpdpbusd and a
- * sign fix per 16 outputs and row of x. The weight tile (A) is the codes as signed bytes, decoded
- * once per 16 weight rows into a panel that every tile of x then reads (Q4_0/Q5_0 as q - 8,
- * q - 16; IQ4 through its table; Q4_K/Q5_K's unsigned codes, below 32). x's tile (B) is its int8
- * codes in the tile unit's layout: row k/4 holds, for each of the 16 rows of x, the four codes
- * k..k+3 (pack_x_amx()). Q8_0's rows could be tiles straight from the file, but their 32 codes
- * every 34 bytes straddle cache lines: a tile load of them took ~3x a panel's.
+ * sign fix per 16 outputs and row of x. The weight tile (A) is the codes as signed bytes: Q8_0's
+ * straight from the file (a tile's rows 32 codes every row_bytes), the other types' decoded once
+ * per 16 weight rows into a panel that every tile of x then reads (Q4_0/Q5_0 as q - 8, q - 16;
+ * IQ4 through its table; Q4_K/Q5_K's unsigned codes, below 32). x's tile (B) is its int8 codes in
+ * the tile unit's layout: row k/4 holds, for each of the 16 rows of x, the four codes k..k+3
+ * (pack_x_amx()). The first tile of x prefetches the next 16 weight rows run by run: 16 rows read
+ * side by side are more streams than the hardware prefetcher follows (the LM head at 32 rows of x
+ * took 1.7x as long without it).
  * The float steps are the other paths' (gguf_gemm.c's top): per run, in run order,
  *     acc = fma((float)s, d_w * d_x, acc)                       runs of 32
  *     acc = fma((float)s, d * d_x, acc); acc = fma(-(float)smin, dmin * d_x, acc)   K-quants
@@ -178,12 +180,14 @@ ALWAYS void amx_dots(int odd, const int8_t *a, int64_t lda, const amx_xrun *x, i
 /* one tile of x (X: its runs) against the panel (A: run r at A + 32 r, rows lda apart).
  * A run's float steps come AMX_DEPTH runs after its tile instructions: a vector load waits for
  * the tile store before it (no forwarding), and meanwhile the later runs' dot products go on. */
-ALWAYS void amx_tile(int type, const int8_t *A, int64_t lda, const amx_scales *S,
+ALWAYS void amx_tile(int type, const int8_t *A, int64_t lda, int64_t astep, const uint8_t *pf,
+                     int64_t pf_bytes, const amx_scales *S,
                      const amx_xrun *X, int64_t runs, __m512 acc[AMX_N]) {
     _Alignas(64) int32_t c[2 * AMX_DEPTH][AMX_N][AMX_M]; /* [run % (2 depth)] */
     for (int n = 0; n < AMX_N; n++) acc[n] = _mm512_setzero_ps();
     for (int64_t r = 0; r < runs + AMX_DEPTH; r++) {
-        if (r < runs) amx_dots((int)(r & 1), A + 32 * r, lda, X + r, c[r % (2 * AMX_DEPTH)][0]);
+        if (r < runs) prefetch_part(pf, r, runs, pf_bytes);
+        if (r < runs) amx_dots((int)(r & 1), A + astep * r, lda, X + r, c[r % (2 * AMX_DEPTH)][0]);
         int64_t q = r - AMX_DEPTH;
         if (q >= 0) amx_scale_run(type, S, q, runs, X + q, c[q % (2 * AMX_DEPTH)], acc);
     }
@@ -208,24 +212,34 @@ static size_t amx_scratch_bytes(int64_t K) {
 
 /* nc (<= AMX_N) weight rows against every tile of x (X: the tiles' runs) into y */
 ALWAYS void amx_rows_t(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb, int64_t K,
-                       const amx_xrun *X, int64_t M, float *y, int64_t ldy, uint8_t *scratch) {
+                       const uint8_t *next, const amx_xrun *X, int64_t M, float *y, int64_t ldy,
+                       uint8_t *scratch) {
     const int64_t runs = K / 32, lda = amx_lda(K);
     int8_t *A = (int8_t *)scratch; /* 64-byte aligned, as the scales after it */
     float *f = (float *)(scratch + AMX_N * lda);
     /* runs of 32: d per run; K-quants: d, dm per super-block (runs / 8), sc, mn per 16 codes */
     const amx_scales S = {f, f + AMX_N * runs, f + 2 * AMX_N * runs, f + 4 * AMX_N * runs};
-    amx_panel(type, w, rb, nc, nb, runs, A, lda, &S);
+    const int8_t *a = A;
+    int64_t la = lda, astep = 32;
+    if (type == T_Q8_0 && nc == AMX_N) { /* tiles straight from the file: 32 codes every 34 B */
+        for (int n = 0; n < AMX_N; n++)
+            for (int64_t g = 0; g < runs; g++) S.d[n * runs + g] = half_f16c(w + n * rb + 34 * g);
+        a = (const int8_t *)(w + 2), la = rb, astep = 34;
+    } else {
+        amx_panel(type, w, rb, nc, nb, runs, A, lda, &S);
+    }
     __m512 acc[AMX_N];
     for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
-        amx_tile(type, A, lda, &S, X + m0 / AMX_M * runs, runs, acc);
+        amx_tile(type, a, la, astep, m0 == 0 ? next : NULL, AMX_N * rb, &S, X + m0 / AMX_M * runs, runs, acc);
         amx_store(acc, nc, (int)(M - m0 < AMX_M ? M - m0 : AMX_M), y + m0 * ldy, ldy);
     }
 }
 
 #define AMX_ROWS(name, t)                                                                      \
     static void name(const uint8_t *w, int64_t rb, int nc, int64_t nb, int64_t K,             \
-                     const amx_xrun *X, int64_t M, float *y, int64_t ldy, uint8_t *scratch) {  \
-        amx_rows_t(t, w, rb, nc, nb, K, X, M, y, ldy, scratch);                                \
+                     const uint8_t *next, const amx_xrun *X, int64_t M, float *y, int64_t ldy, \
+                     uint8_t *scratch) {                                                       \
+        amx_rows_t(t, w, rb, nc, nb, K, next, X, M, y, ldy, scratch);                          \
     }
 AMX_ROWS(amx_q8_0, T_Q8_0)
 AMX_ROWS(amx_q4_0, T_Q4_0)
@@ -236,8 +250,8 @@ AMX_ROWS(amx_q4_k, T_Q4_K)
 AMX_ROWS(amx_q5_k, T_Q5_K)
 #undef AMX_ROWS
 
-typedef void (*amx_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, const amx_xrun *, int64_t,
-                       float *, int64_t, uint8_t *);
+typedef void (*amx_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, const uint8_t *,
+                       const amx_xrun *, int64_t, float *, int64_t, uint8_t *);
 static const amx_fn AMX_ROWS_FN[N_TYPES] = {
     [T_Q8_0] = amx_q8_0, [T_Q4_0] = amx_q4_0, [T_Q5_0] = amx_q5_0, [T_IQ4_NL] = amx_iq4_nl,
     [T_IQ4_XS] = amx_iq4_xs, [T_Q4_K] = amx_q4_k, [T_Q5_K] = amx_q5_k}; /* Q6_K: AVX-512's (see the top) */

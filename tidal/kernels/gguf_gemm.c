@@ -1742,8 +1742,9 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             int64_t lo = cc * CHUNK, hi = lo + CHUNK < g->n ? lo + CHUNK : g->n;
 #ifdef HAVE_AMX
             if (scratch && AMX_ROWS_FN[g->type]) {
-                AMX_ROWS_FN[g->type](g->w + lo * g->rb, g->rb, (int)(hi - lo), g->nb, K, xt, M,
-                                     y + g->col0 + lo, ldy, scratch);
+                const uint8_t *next = hi < g->n ? g->w + hi * g->rb : NULL;
+                AMX_ROWS_FN[g->type](g->w + lo * g->rb, g->rb, (int)(hi - lo), g->nb, K, next, xt,
+                                     M, y + g->col0 + lo, ldy, scratch);
                 continue;
             }
 #endif
