@@ -315,11 +315,13 @@ def _same_bits_on_both(t: Q, m: int, path: str, base: str) -> tuple[torch.Tensor
 
 @pytest.mark.skipif("amx" not in ISAS, reason="no AMX path here")
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [15, 16, 17, 33, 70])
+@pytest.mark.parametrize("m", [5, 6, 11, 12, 13, 16, 17, 33, 70])
 def test_amx_against_avx512(t: Q, m: int) -> None:
-    """AMX is AVX-512's path with the tile unit's int8 dot products for q8 from 16 rows of x:
-    the same integers and float steps, so AVX-512's bits, with a tile of x cut short (17, 33,
-    70), weight rows past the last tile of 16 (N 35), every thread count, and in a fused call."""
+    """AMX is AVX-512's path with the tile unit's int8 dot products for q8 from 6 (Q8_0) or 12
+    rows of x (the other types but Q6_K): the same integers and float steps, so AVX-512's bits,
+    on either side of both thresholds, with a tile of x cut short (6 to 13, 17, 33, 70), weight
+    rows past the last tile of 16 (N 35), every thread count, and in a fused call (from 6 to 11
+    rows a Q8_0 segment runs on the tiles beside a Q5_0 one on AVX-512)."""
     x, w = _same_bits_on_both(t, m, "amx", "avx512")
     k = w.cols
     for threads in (1, 3):

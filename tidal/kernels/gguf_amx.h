@@ -1,6 +1,6 @@
 /* gguf_gemm's AMX path (included by gguf_gemm.c where the build has AMX-TILE and AMX-INT8 besides
  * AVX-512): q8's integer sums of 16 weight rows x 16 rows of x on the tile unit, the float steps
- * on AVX-512, from AMX_MIN_ROWS rows of x (below that a tile would be mostly padding).
+ * on AVX-512, from 6 or 12 rows of x by type (amx_takes(); below that a tile is mostly padding).
  *
  * For one run of 32 values, TDPBSSD gives every (output n, row m) its exact int32 dot product of
  * the weight's codes with x's, in one instruction where AVX-512 VNNI spends eight vpdpbusd and a
@@ -29,7 +29,18 @@
 #include <sys/syscall.h>
 long syscall(long number, ...); /* unistd.h declares it only past -std=c11 (_DEFAULT_SOURCE) */
 
-#define AMX_MIN_ROWS 16 /* rows of x from which q8 runs on the tile unit */
+/* Rows of x from which a type's q8 runs on the tile unit: a tile computes 16 rows of x whatever
+ * M is, so below 16 it pays for padding. Q8_0's tiles are read straight from the file, and its
+ * 16 weight rows at once are ahead of AVX-512 from 6 rows of x; the other types decode each 16
+ * weight rows into a panel first, a cost that 12 rows earn back. The bundled model's shapes,
+ * 2 threads, Xeon family 6 model 207, amx / avx512 speed in four runs (the host's speed moved
+ * ~2x between them, and the ratios with it):
+ *     rows of x             5          6          8          10         12         16
+ *     LM head Q8_0          1.04       1.14-1.23  1.25-1.39  1.43-1.50  1.49-1.58  1.65-1.96
+ *     q_proj, gate Q5_0     -          0.88-0.93  0.97-0.99  0.94-1.25  1.02-1.26  1.20-1.36
+ *     down Q4_K             -          0.86       0.94       0.90-1.10  0.99-1.20  1.18-1.31 */
+#define AMX_MIN_ROWS_FILE 6   /* Q8_0 */
+#define AMX_MIN_ROWS_PANEL 12 /* the other types but Q6_K */
 #define AMX_N 16        /* weight rows (outputs) per tile: CHUNK */
 #define AMX_M 16        /* rows of x per tile */
 
@@ -255,3 +266,9 @@ typedef void (*amx_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, const ui
 static const amx_fn AMX_ROWS_FN[N_TYPES] = {
     [T_Q8_0] = amx_q8_0, [T_Q4_0] = amx_q4_0, [T_Q5_0] = amx_q5_0, [T_IQ4_NL] = amx_iq4_nl,
     [T_IQ4_XS] = amx_iq4_xs, [T_Q4_K] = amx_q4_k, [T_Q5_K] = amx_q5_k}; /* Q6_K: AVX-512's (see the top) */
+
+/* whether a segment of this type on M rows of x runs on the tile unit */
+static int amx_takes(int type, int64_t M) {
+    if (AMX_ROWS_FN[type] == NULL) return 0;
+    return M >= (type == T_Q8_0 ? AMX_MIN_ROWS_FILE : AMX_MIN_ROWS_PANEL);
+}

@@ -57,10 +57,10 @@
  * ISA_SCALAR (plain C; f32 sums in another order, q8 gives the same bits), and ISA_AVX2_VNNI,
  * AVX2's kernels with AVX-VNNI's 256-bit vpdpbusd for q8's integer sums (the same bits again;
  * compiled where the build has AVX-VNNI), and ISA_AMX, AVX-512's with q8's integer sums on the AMX
- * tile unit from AMX_MIN_ROWS rows of x (gguf_amx.h; the same bits again). Each is a table in
- * pick(); an entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and 5-bit codes up
- * in a table of their block's float weights (one permute per 16 codes, see b32_weights512); q8 is
- * AVX2's kernels with vpdpbusd (dpbusd()), sixteen outputs a vector past two rows of x
+ * tile unit from 6 or 12 rows of x by type (amx_takes in gguf_amx.h; the same bits again). Each
+ * is a table in pick(); an entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and
+ * 5-bit codes up in a table of their block's float weights (one permute per 16 codes, see
+ * b32_weights512); q8 is AVX2's kernels with vpdpbusd (dpbusd()), sixteen outputs a vector past two rows of x
  * (q8_group16); the activations' quantization and the dequantization are AVX2's. */
 #include <math.h>
 #include <stdint.h>
@@ -98,7 +98,7 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 /* This file's own path: AVX2's kernels with AVX-VNNI's vpdpbusd for the q8 integer sums (every
  * other kernel takes it as ISA_AVX2; tidal/kernels/gguf_gemm.py names it "avx2vnni"). */
 enum { ISA_AVX2_VNNI = 3 };
-/* and AVX-512's path with q8's integer sums on AMX tiles from AMX_MIN_ROWS rows of x (gguf_amx.h;
+/* and AVX-512's path with q8's integer sums on AMX tiles from 6 or 12 rows of x (gguf_amx.h;
  * "amx") */
 enum { ISA_AMX = 4 };
 enum { ERR_TYPE = -1, ERR_SHAPE = -2, ERR_ISA = -3, ERR_NOMEM = -4 };
@@ -1679,12 +1679,15 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
     const int vex = isa == ISA_AVX2_VNNI;
     if (vex && !tidal_gguf_has_avx2vnni()) return ERR_ISA;
     if (vex) isa = ISA_AVX2;
-    /* AMX is AVX-512's path with the tile unit for q8's integer sums from AMX_MIN_ROWS rows */
+    /* AMX is AVX-512's path with the tile unit for q8's integer sums (amx_takes: from 6 or 12
+     * rows of x, by type) */
     if (isa == ISA_AMX && !tidal_gguf_has_amx()) return ERR_ISA;
 #ifdef HAVE_AMX
-    int amx = 0; /* some segment's type runs on the tile unit (not Q6_K) */
-    for (int s = 0; s < MAX_SEG; s++) amx |= sg[s].n > 0 && AMX_ROWS_FN[sg[s].type] != NULL;
-    amx = amx && isa == ISA_AMX && act == ACT_Q8 && M >= AMX_MIN_ROWS;
+    int amx = 0, on_tiles[MAX_SEG] = {0}; /* which segments run on the tile unit */
+    for (int s = 0; s < MAX_SEG; s++) {
+        on_tiles[s] = isa == ISA_AMX && act == ACT_Q8 && sg[s].n > 0 && amx_takes(sg[s].type, M);
+        amx |= on_tiles[s];
+    }
     const int64_t amx_tiles = (M + AMX_M - 1) / AMX_M, runs = K / 32;
     amx_xrun *xt = NULL;
 #endif
@@ -1741,7 +1744,7 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
             const seg_t *g = &sg[s];
             int64_t lo = cc * CHUNK, hi = lo + CHUNK < g->n ? lo + CHUNK : g->n;
 #ifdef HAVE_AMX
-            if (scratch && AMX_ROWS_FN[g->type]) {
+            if (scratch && on_tiles[s]) {
                 const uint8_t *next = hi < g->n ? g->w + hi * g->rb : NULL;
                 AMX_ROWS_FN[g->type](g->w + lo * g->rb, g->rb, (int)(hi - lo), g->nb, K, next, xt,
                                      M, y + g->col0 + lo, ldy, scratch);

@@ -15,8 +15,8 @@ ISA_NAMES: dict[str, int] = {"scalar": ISA_SCALAR, "avx2": ISA_AVX2, "avx512": I
 # Paths one kernel adds between the shared ones, with the shared code the rest of its work and
 # every other kernel take under that name: gguf_gemm's "avx2vnni" is AVX2 with AVX-VNNI's
 # vpdpbusd for its integer sums (Intel cores from Alder Lake on, the E-core Xeons); its "amx" is
-# AVX-512 with the AMX tile unit for the int8 sums of batches of 16 rows and more (Xeons from
-# Sapphire Rapids on).
+# AVX-512 with the AMX tile unit for the int8 sums of batches of 6 or 12 rows and more, by block
+# type (Xeons from Sapphire Rapids on).
 EXTRA_PATHS: dict[str, int] = {"avx2vnni": ISA_AVX2, "amx": ISA_AVX512}
 # Every path name, lowest first: the order in which TIDAL_KERNEL_ISA's ceiling compares them.
 PATH_ORDER = ("scalar", "avx2", "avx2vnni", "avx512", "amx")
