@@ -1,6 +1,6 @@
 /* gguf_gemm's AMX path (included by gguf_gemm.c where the build has AMX-TILE and AMX-INT8 besides
  * AVX-512): q8's integer sums of 16 weight rows x 16 rows of x on the tile unit, the float steps
- * on AVX-512, from 6 or 12 rows of x by type (amx_takes(); below that a tile is mostly padding).
+ * on AVX-512, from 6 or 12 rows of x by type (amx_takes(): a tile holds 16 rows of x, padded).
  *
  * For one run of 32 values, TDPBSSD gives every (output n, row m) its exact int32 dot product of
  * the weight's codes with x's, in one instruction where AVX-512 VNNI spends eight vpdpbusd and a

@@ -60,8 +60,8 @@
  * tile unit from 6 or 12 rows of x by type (amx_takes in gguf_amx.h; the same bits again). Each
  * is a table in pick(); an entry may point at a lower path's kernel. AVX-512 f32 looks the 4- and
  * 5-bit codes up in a table of their block's float weights (one permute per 16 codes, see
- * b32_weights512); q8 is AVX2's kernels with vpdpbusd (dpbusd()), sixteen outputs a vector past two rows of x
- * (q8_group16); the activations' quantization and the dequantization are AVX2's. */
+ * b32_weights512); q8 is AVX2's kernels with vpdpbusd (dpbusd()), sixteen outputs a vector past
+ * two rows of x (q8_group16); the activations' quantization and the dequantization are AVX2's. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
