@@ -119,6 +119,7 @@ static inline __m256 silu_avx2(__m256 x) {
  * gate/up output (gate in the first I columns). Elementwise, so batch-invariant. */
 void tidal_gated_act(const float *gu, int64_t rows, int64_t I, int64_t ldgu, int64_t act,
                      float *out, int64_t ldo, int64_t isa) {
+    (void)isa; /* a build without AVX2 has the scalar loop only */
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * ldgu, *u = g + I;
         float *o = out + r * ldo;

@@ -37,6 +37,7 @@
 #include <string.h>
 #include <omp.h>
 
+#include "cephes_exp.h"
 #include "tidal_kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -79,18 +80,10 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
 #define NEG_INF (-__builtin_inff())
 
-/* Cephes expf and tanhf constants, shared by the scalar, 8- and 16-lane versions */
+/* Cephes expf (its polynomial: cephes_exp.h) and tanhf constants, shared by the scalar, 8- and
+ * 16-lane versions */
 #define EXP_LO (-87.3365447504f)
 #define EXP_HI (88.0f)
-#define EXP_LOG2E (1.44269504088896341f)
-#define EXP_LN2_HI (0.693359375f)
-#define EXP_LN2_LO (-2.12194440e-4f)
-#define EXP_P0 (1.9875691500e-4f)
-#define EXP_P1 (1.3981999507e-3f)
-#define EXP_P2 (8.3334519073e-3f)
-#define EXP_P3 (4.1665795894e-2f)
-#define EXP_P4 (1.6666665459e-1f)
-#define EXP_P5 (5.0000001201e-1f)
 #define TANH_P0 (-5.70498872745e-3f)
 #define TANH_P1 (2.06390887954e-2f)
 #define TANH_P2 (-5.37397155531e-2f)
@@ -287,20 +280,8 @@ static inline float hmax256(__m256 v) {
 
 /* the same Cephes expf as exp_s, 8 lanes */
 static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(EXP_HI)), _mm256_set1_ps(EXP_LO));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(EXP_LOG2E)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_HI), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(EXP_LN2_LO), r);
-    __m256 y = _mm256_set1_ps(EXP_P0);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P1));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P2));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P3));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P4));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(EXP_P5));
-    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+    return cephes_exp256(
+        _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(EXP_HI)), _mm256_set1_ps(EXP_LO)));
 }
 
 static inline float exp1_avx2(float x) {
@@ -672,20 +653,8 @@ ALWAYS_INLINE void pv_rows512(float *acc, int nrows, int64_t D, const float *alp
 
 /* the same Cephes expf as exp_s, 16 lanes */
 static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(EXP_HI)), _mm512_set1_ps(EXP_LO));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(EXP_LOG2E)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_HI), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_LN2_LO), r);
-    __m512 y = _mm512_set1_ps(EXP_P0);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P1));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P2));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P3));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P4));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(EXP_P5));
-    y = _mm512_add_ps(_mm512_fmadd_ps(y, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    return cephes_exp512(
+        _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(EXP_HI)), _mm512_set1_ps(EXP_LO)));
 }
 
 static inline __m512 tanh512(__m512 x) {

@@ -9,6 +9,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "cephes_exp.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
@@ -22,29 +24,20 @@
 #define NTHETA 4
 static const float THETA[NTHETA] = {0x1p-8f, 0x1p-14f, 0x1p-22f, 0.0f};
 
-/* exp(a) for a <= 0 (0 below the smallest normal result); Cephes' expf */
-#define EXP_LO (-87.33654f)
-#define LOG2E 1.44269504088896341f
-#define LN2_HI 0.693359375f
-#define LN2_LO (-2.12194440e-4f)
-#define P0 1.9875691500e-4f
-#define P1 1.3981999507e-3f
-#define P2 8.3334519073e-3f
-#define P3 4.1665795894e-2f
-#define P4 1.6666665459e-1f
-#define P5 5.0000001201e-1f
+/* exp(a) for a <= 0 (0 below the smallest normal result); Cephes' expf (cephes_exp.h) */
+#define WEIGHT_EXP_LO (-87.33654f)
 
 static inline float exp_neg(float a) {
-    if (!(a >= EXP_LO)) return 0.0f;
-    float n = nearbyintf(a * LOG2E);
-    float r = fmaf(n, -LN2_HI, a);
-    r = fmaf(n, -LN2_LO, r);
-    float p = P0;
-    p = fmaf(p, r, P1);
-    p = fmaf(p, r, P2);
-    p = fmaf(p, r, P3);
-    p = fmaf(p, r, P4);
-    p = fmaf(p, r, P5);
+    if (!(a >= WEIGHT_EXP_LO)) return 0.0f;
+    float n = nearbyintf(a * EXP_LOG2E);
+    float r = fmaf(n, -EXP_LN2_HI, a);
+    r = fmaf(n, -EXP_LN2_LO, r);
+    float p = EXP_P0;
+    p = fmaf(p, r, EXP_P1);
+    p = fmaf(p, r, EXP_P2);
+    p = fmaf(p, r, EXP_P3);
+    p = fmaf(p, r, EXP_P4);
+    p = fmaf(p, r, EXP_P5);
     float y = fmaf(p, r * r, r) + 1.0f;
     union { int32_t i; float f; } s = {.i = ((int32_t)n + 127) << 23};
     return y * s.f;
@@ -100,21 +93,8 @@ static float max_scalar(const float *x, int64_t n, int *nan) {
 
 #ifdef HAVE_AVX2
 static inline __m256 exp_neg8(__m256 a) {
-    __m256 ok = _mm256_cmp_ps(a, _mm256_set1_ps(EXP_LO), _CMP_GE_OQ);
-    a = _mm256_max_ps(a, _mm256_set1_ps(EXP_LO));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(LOG2E)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_HI), a);
-    r = _mm256_fmadd_ps(n, _mm256_set1_ps(-LN2_LO), r);
-    __m256 p = _mm256_set1_ps(P0);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P1));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
-    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), ok);
+    __m256 ok = _mm256_cmp_ps(a, _mm256_set1_ps(WEIGHT_EXP_LO), _CMP_GE_OQ);
+    return _mm256_and_ps(cephes_exp256(_mm256_max_ps(a, _mm256_set1_ps(WEIGHT_EXP_LO))), ok);
 }
 
 static inline __m256 weight8(const float *x, __m256 m, __m256 inv_t, __m256 min_p) {
@@ -183,21 +163,8 @@ static void chunks_avx2(const float *x, int64_t n, float m, float inv_t, float m
 
 #ifdef HAVE_AVX512
 static inline __m512 exp_neg16(__m512 a) {
-    __mmask16 ok = _mm512_cmp_ps_mask(a, _mm512_set1_ps(EXP_LO), _CMP_GE_OQ);
-    a = _mm512_max_ps(a, _mm512_set1_ps(EXP_LO));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(LOG2E)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_HI), a);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-LN2_LO), r);
-    __m512 p = _mm512_set1_ps(P0);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P1));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P2));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P3));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P4));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(P5));
-    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps(ok, y, _mm512_castsi512_ps(e));
+    __mmask16 ok = _mm512_cmp_ps_mask(a, _mm512_set1_ps(WEIGHT_EXP_LO), _CMP_GE_OQ);
+    return _mm512_maskz_mov_ps(ok, cephes_exp512(_mm512_max_ps(a, _mm512_set1_ps(WEIGHT_EXP_LO))));
 }
 
 static void chunks_avx512(const float *x, int64_t n, float m, float inv_t, float min_p,
