@@ -23,6 +23,14 @@
  * and the two hardly overlap, as the float steps read the tile stores back from L1.
  * The accumulators hold the 16 rows of x of one output in a vector, so a tile's results are
  * written transposed into y.
+ * Float activations (act f32) stay off the tiles. AMX-BF16 can give a float32-class product:
+ * x split into three bfloat16 (hi + mid + lo == x exactly), every block code an exact bfloat16,
+ * so each product is exact and the tile sums them in float32. But those sums' bits differ from
+ * AVX-512's FMA chains, so for a row's result not to depend on its batch every M would have to
+ * run on tiles, and a tried version (weights decoded and transposed into the pair layout per 16
+ * rows) cost too much at few rows: the LM head 35.1 against 8.5 ms at 1 row, 36.8 against 22.7
+ * at 8, 51.3 against 73.8 at 32 (2 threads, this Xeon); at 512 rows it only matched oneDNN's
+ * float32 GEMM that prompts use (qkv 4.65 against 4.23 ms, gate/up 13.0 against 13.2).
  * Linux grants a process the tile data state on request (arch_prctl(ARCH_REQ_XCOMP_PERM)):
  * amx_permitted() asks once; without it the path is not offered (tidal_gguf_has_amx() == 0). The
  * tile configuration is per thread: every thread of a call loads it and releases the tiles. */
