@@ -9,12 +9,28 @@
 # Usage: nohup nice -n 19 bash scripts/build_llama_server.sh [TARGET...] > /tmp/llama_build.log 2>&1 &
 #   TARGET defaults to the three above. LLAMA_BUILD_JOBS (default 2) sets the parallel jobs;
 #   LLAMA_SDIST=path/to/llama_cpp_python-X.tar.gz skips the download.
+#
+# The build is native (-march=native), but on a CPU with AMX tiles the tile instructions are left
+# out (-mno-amx-*; AVX-512 with VNNI and BF16 stays): llama.cpp 0.3.36's AMX matmul, built
+# natively, dies with SIGILL (a tilezero in a worker thread) on such Xeons. bin/FLAVOR says which
+# build the binaries are, and binaries of another flavor are rebuilt.
 set -euo pipefail
 
 cache_dir="${TIDAL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tidal}"
 dest="$cache_dir/llama.cpp"
 bin_dir="$dest/bin"
 stamp="$bin_dir/SDIST"  # the sdist file name the binaries in bin_dir were built from
+flavor_file="$bin_dir/FLAVOR"  # how they were built (below)
+# LLAMA_CPUINFO: another cpuinfo to read the flags from (the tests' fake CPUs)
+cpu_flags="$(grep -m1 '^flags' "${LLAMA_CPUINFO:-/proc/cpuinfo}" 2>/dev/null || true)"
+if [[ " $cpu_flags " == *" amx_tile "* ]]; then
+    flavor="native without AMX (-mno-amx-tile -mno-amx-int8 -mno-amx-bf16: llama.cpp's AMX matmul dies with SIGILL on this CPU)"
+    no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    extra_flags=(-DCMAKE_C_FLAGS="$no_amx" -DCMAKE_CXX_FLAGS="$no_amx")
+else
+    flavor="native"
+    extra_flags=()
+fi
 jobs="${LLAMA_BUILD_JOBS:-2}"
 pip_bin="${PIP:-pip}"
 # NOTE: the benchmark tools first: they are what `tidal bench kernels` needs, and the server's
@@ -25,6 +41,14 @@ if [[ ${#targets[@]} -eq 0 ]]; then
 fi
 
 missing=()
+# Binaries of another flavor (or from before FLAVOR was written) are rebuilt, all of them.
+if [[ "$(cat "$flavor_file" 2>/dev/null)" != "$flavor" ]]; then
+    for binary in "$bin_dir"/llama-*; do
+        [[ -x "$binary" ]] || continue
+        echo "rebuilding $(basename "$binary"): built as '$(cat "$flavor_file" 2>/dev/null || echo 'unknown')', this CPU takes '$flavor'"
+        rm -f "$binary"
+    done
+fi
 for target in "${targets[@]}"; do
     if [[ -x "$bin_dir/$target" ]]; then
         echo "$target already built: $bin_dir/$target"
@@ -72,7 +96,7 @@ cmake -S "$src" -B "$work/build" \
     -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_SERVER=ON -DLLAMA_USE_PREBUILT_UI=OFF \
-    -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON
+    -DCMAKE_INSTALL_RPATH='$ORIGIN' -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON ${extra_flags[@]+"${extra_flags[@]}"}
 
 failed=()
 for target in "${missing[@]}"; do
@@ -88,6 +112,7 @@ for target in "${missing[@]}"; do
     find "$work/build" -name '*.so*' -exec cp -P {} "$bin_dir/" \; 2>/dev/null || true
     mv "$bin_dir/$target.tmp" "$bin_dir/$target"
     echo "$sdist_name" > "$stamp"
+    echo "$flavor" > "$flavor_file"
     echo "built $bin_dir/$target"
 done
 

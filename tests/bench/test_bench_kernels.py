@@ -25,6 +25,8 @@ from tidal.bench.kernels import (
 )
 from tidal.bench.llama_bench import (
     Measure,
+    build_flavor,
+    describe_exit,
     llama_commands,
     parse_batched_bench,
     parse_llama_bench,
@@ -357,6 +359,45 @@ def test_missing_binaries_leave_a_note(tmp_path: Path, monkeypatch) -> None:
     measures, info = run_llama(KernelsConfig(), tmp_path / "m.gguf", tmp_path)
     assert measures == {}
     assert "build_llama_server.sh" in info["notes"][0]
+
+
+def _tool(path: Path, body: str) -> None:
+    path.write_text(f"#!/bin/sh\n{body}\n")
+    path.chmod(0o755)
+
+
+def test_a_tool_killed_by_sigill_leaves_a_note_that_says_why(tmp_path: Path) -> None:
+    # real processes that die as a natively built llama.cpp does on a CPU with AMX tiles
+    for name in ("llama-bench", "llama-batched-bench"):
+        _tool(tmp_path / name, "echo loading >&2; kill -ILL $$")
+    (tmp_path / "FLAVOR").write_text("native\n")
+    measures, info = run_llama(KernelsConfig(repetitions=1), tmp_path / "m.gguf", tmp_path)
+    assert measures == {} and info["flavor"] == "native"
+    assert len(info["notes"]) == 2
+    for note in info["notes"]:
+        assert "was killed by SIGILL" in note and "leaves AMX out" in note, note
+        assert note.endswith(": loading")
+    _tool(tmp_path / "llama-bench", "exit 3")
+    _, info = run_llama(KernelsConfig(repetitions=1), tmp_path / "m.gguf", tmp_path)
+    assert info["notes"][0] == "llama-bench exited with 3: "
+
+
+def test_describe_exit() -> None:
+    assert describe_exit(0) == "exited with 0" and describe_exit(2) == "exited with 2"
+    assert describe_exit(-9) == "was killed by SIGKILL"
+    assert describe_exit(-4).startswith("was killed by SIGILL (an illegal instruction")
+    assert describe_exit(-200) == "was killed by signal 200"
+
+
+def test_report_names_the_build_flavor(tmp_path: Path) -> None:
+    assert build_flavor(tmp_path) is None  # binaries from elsewhere: no FLAVOR
+    (tmp_path / "FLAVOR").write_text("native without AMX (-mno-amx-tile)\n")
+    assert build_flavor(tmp_path) == "native without AMX (-mno-amx-tile)"
+    rows = [Row("pp512", Measure((300.0,)), Measure((746.0,)))]
+    record = _record(rows)
+    record["llama_cpp"] = {**record["llama_cpp"], "bin_dir": "/b", "flavor": build_flavor(tmp_path)}
+    text = markdown_report(record, rows)
+    assert "binaries from `/b`, built native without AMX (-mno-amx-tile)" in text
 
 
 def test_command_is_registered() -> None:

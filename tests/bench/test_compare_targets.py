@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tidal.bench.compare import TARGETS, TPOT_TARGET, context_tokens, target_list, tidal_command
+from tidal.bench.compare import (
+    TARGETS,
+    TPOT_TARGET,
+    ServerHandle,
+    context_tokens,
+    target_list,
+    tidal_command,
+)
 from tidal.cli import build_parser
 
 
@@ -54,3 +61,17 @@ def test_the_data_parallel_target_runs_two_replicas() -> None:
     assert names == ["tidal", "tidal-dp2"]
     t = targets["tidal-dp2"]
     assert t.kind == "tidal" and t.args == ("--data-parallel", "2")
+
+
+def test_a_server_killed_by_sigill_while_loading_says_why(tmp_path) -> None:
+    # a real process that dies as a natively built llama-server does on a CPU with AMX tiles
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\necho loading\nsleep 0.2\nkill -ILL $$\n")
+    server.chmod(0o755)
+    handle = ServerHandle([str(server)], tmp_path / "s.log", "http://127.0.0.1:9")
+    try:
+        with pytest.raises(RuntimeError, match=r"^server was killed by SIGILL \(an illegal"):
+            handle.wait_ready("/health", 30.0)
+    finally:
+        handle.stop()
+    assert "loading" in (tmp_path / "s.log").read_text()

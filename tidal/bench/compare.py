@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from tidal.bench.llama_bench import build_flavor, describe_exit
 from tidal.bench.run import RunConfig, resolve_model, run_sweep
 from tidal.bench.run_stats import SLO, RunStats
 from tidal.bench.stream_client import RequestOptions, RequestRecord
@@ -128,6 +129,7 @@ class ServerHandle:
     """A started target: its process, base URL and log file; `stop()` always ends it."""
 
     def __init__(self, cmd: list[str], log_path: Path, base_url: str | None = None) -> None:
+        self.cmd = cmd
         self.log_path = log_path
         self._log: IO[str] = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
@@ -158,7 +160,7 @@ class ServerHandle:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"server exited with {self.proc.returncode}; see {self.log_path}"
+                    f"server {describe_exit(self.proc.returncode)}; see {self.log_path}"
                 )
             try:
                 with urllib.request.urlopen(self.base_url + ready_path, timeout=5) as resp:
@@ -294,7 +296,14 @@ def run(args: argparse.Namespace) -> int:
             for stats, recs in run_sweep(cfg, traces, loads):
                 runs.append(stats)
                 records.append(recs)
-            notes.setdefault(name, f"{t.about}; ready after {load_s:.0f} s")
+            about = t.about
+            if t.kind == "llama.cpp" and (flavor := build_flavor(Path(handle.cmd[0]).parent)):
+                about += f"; built {flavor}"
+            notes.setdefault(name, f"{about}; ready after {load_s:.0f} s")
+            if (rc := handle.proc.poll()) is not None:  # it died during the runs
+                notes[name] += (
+                    f"; the server {describe_exit(rc)} during the runs, see {handle.log_path}"
+                )
         except (RuntimeError, OSError, ValueError) as e:  # ValueError: http.client.InvalidURL
             notes[name] = f"failed: {e}"
             print(f"{name}: {notes[name]}", file=sys.stderr)

@@ -342,6 +342,7 @@ def markdown_report(
         f"- llama.cpp: {llama}"
         + (
             f"; binaries from `{record['llama_cpp']['bin_dir']}`"
+            + (f", built {flavor}" if (flavor := record["llama_cpp"].get("flavor")) else "")
             if record["llama_cpp"].get("bin_dir") and build
             else ""
         ),

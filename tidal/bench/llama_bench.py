@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,34 @@ def llama_bin_dir(explicit: str | None) -> Path:
     from tidal.bench.compare import llama_server_path
 
     return llama_server_path().parent
+
+
+def build_flavor(bin_dir: Path) -> str | None:
+    """How scripts/build_llama_server.sh built the binaries in bin_dir (its bin/FLAVOR: "native",
+    or native without AMX on a CPU with AMX tiles), or None where it did not write one."""
+    try:
+        return (bin_dir / "FLAVOR").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def describe_exit(returncode: int) -> str:
+    """A process's exit status in words: "exited with N", or the signal that killed it, with what
+    a SIGILL from llama.cpp means."""
+    if returncode >= 0:
+        return f"exited with {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        return f"was killed by signal {-returncode}"
+    text = f"was killed by {name}"
+    if name == "SIGILL":
+        text += (
+            " (an illegal instruction: llama.cpp built natively dies so in its AMX matmul on Xeons"
+            " with AMX tiles; rebuild with scripts/build_llama_server.sh, which leaves AMX out"
+            " on such CPUs)"
+        )
+    return text
 
 
 def find_binary(bin_dir: Path, name: str) -> str | None:
@@ -120,7 +149,7 @@ def run_llama(
     """llama.cpp's measures and facts; a missing binary or a failed run leaves a note instead."""
     bench = find_binary(bin_dir, "llama-bench")
     batched = find_binary(bin_dir, "llama-batched-bench")
-    info: dict[str, Any] = {"bin_dir": str(bin_dir), "notes": []}
+    info: dict[str, Any] = {"bin_dir": str(bin_dir), "flavor": build_flavor(bin_dir), "notes": []}
     if bench is None or batched is None:
         info["notes"].append(
             f"llama-bench/llama-batched-bench not found in {bin_dir}: build them with "
@@ -163,6 +192,6 @@ def _run_tool(cmd: list[str], timeout_s: float, info: dict[str, Any]) -> tuple[s
         return None
     if proc.returncode != 0:
         tail = " ".join(proc.stderr.strip().splitlines()[-3:])
-        info["notes"].append(f"{Path(cmd[0]).name} exited with {proc.returncode}: {tail}")
+        info["notes"].append(f"{Path(cmd[0]).name} {describe_exit(proc.returncode)}: {tail}")
         return None
     return proc.stdout, proc.stderr
