@@ -13,7 +13,8 @@
 # The build is native (-march=native), but on a CPU with AMX tiles the tile instructions are left
 # out (-mno-amx-*; AVX-512 with VNNI and BF16 stays): llama.cpp 0.3.36's AMX matmul, built
 # natively, dies with SIGILL (a tilezero in a worker thread) on such Xeons. bin/FLAVOR says which
-# build the binaries are, and binaries of another flavor are rebuilt.
+# build the binaries are, and binaries of another flavor are rebuilt (those from before FLAVOR
+# existed are native builds: kept on a CPU without AMX tiles, rebuilt on one with them).
 set -euo pipefail
 
 cache_dir="${TIDAL_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/tidal}"
@@ -41,7 +42,11 @@ if [[ ${#targets[@]} -eq 0 ]]; then
 fi
 
 missing=()
-# Binaries of another flavor (or from before FLAVOR was written) are rebuilt, all of them.
+# Binaries from before FLAVOR was written were built natively: kept where that is this CPU's
+# flavor. Binaries of another flavor are rebuilt, all of them.
+if [[ ! -e "$flavor_file" && "$flavor" == "native" ]] && compgen -G "$bin_dir/llama-*" > /dev/null; then
+    echo "$flavor" > "$flavor_file"
+fi
 if [[ "$(cat "$flavor_file" 2>/dev/null)" != "$flavor" ]]; then
     for binary in "$bin_dir"/llama-*; do
         [[ -x "$binary" ]] || continue

@@ -82,3 +82,15 @@ def test_cpu_without_amx_builds_natively(tmp_path: Path) -> None:
     assert "-DGGML_NATIVE=ON" in configure and "CMAKE_C_FLAGS" not in configure
     assert (bin_dir / "FLAVOR").read_text().strip() == "native"
     assert (bin_dir / "llama-bench").exists()
+
+
+def test_binaries_from_before_flavor_are_kept_where_native_is_this_cpus_build(
+    tmp_path: Path,
+) -> None:
+    env, bin_dir = _setup(tmp_path, "fpu sse avx2 fma f16c")
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "llama-bench").write_text("#!/bin/sh\n")
+    (bin_dir / "llama-bench").chmod(0o755)
+    assert "llama-bench already built" in _run(env, "llama-bench")
+    assert not (tmp_path / "cmake.log").exists()  # nothing rebuilt
+    assert (bin_dir / "FLAVOR").read_text().strip() == "native"
