@@ -68,10 +68,17 @@ def test_a_server_killed_by_sigill_while_loading_says_why(tmp_path) -> None:
     server = tmp_path / "llama-server"
     server.write_text("#!/bin/sh\necho loading\nsleep 0.2\nkill -ILL $$\n")
     server.chmod(0o755)
-    handle = ServerHandle([str(server)], tmp_path / "s.log", "http://127.0.0.1:9")
+    handle = ServerHandle([str(server)], tmp_path / "s.log", "http://127.0.0.1:9", llama_cpp=True)
     try:
         with pytest.raises(RuntimeError, match=r"^server was killed by SIGILL \(an illegal"):
             handle.wait_ready("/health", 30.0)
     finally:
         handle.stop()
     assert "loading" in (tmp_path / "s.log").read_text()
+    # another server (tidal's) killed so gets the signal's name, not llama.cpp's remedy
+    handle = ServerHandle([str(server)], tmp_path / "t.log", "http://127.0.0.1:9")
+    try:
+        with pytest.raises(RuntimeError, match=r"^server was killed by SIGILL; see "):
+            handle.wait_ready("/health", 30.0)
+    finally:
+        handle.stop()

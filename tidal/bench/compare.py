@@ -128,8 +128,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class ServerHandle:
     """A started target: its process, base URL and log file; `stop()` always ends it."""
 
-    def __init__(self, cmd: list[str], log_path: Path, base_url: str | None = None) -> None:
+    def __init__(
+        self, cmd: list[str], log_path: Path, base_url: str | None = None, llama_cpp: bool = False
+    ) -> None:
         self.cmd = cmd
+        self.llama_cpp = llama_cpp  # its exit statuses are explained as llama.cpp's
         self.log_path = log_path
         self._log: IO[str] = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
@@ -160,7 +163,7 @@ class ServerHandle:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"server {describe_exit(self.proc.returncode)}; see {self.log_path}"
+                    f"server {describe_exit(self.proc.returncode, self.llama_cpp)}; see {self.log_path}"
                 )
             try:
                 with urllib.request.urlopen(self.base_url + ready_path, timeout=5) as resp:
@@ -227,7 +230,8 @@ def start_target(
         cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(args.parallel), "--cont-batching", "--metrics",
                "-c", str(context_tokens(args)), "-t", str(args.threads)]  # fmt: skip
-        return ServerHandle(cmd + list(t.args), log, f"http://127.0.0.1:{port}"), "/health"
+        handle = ServerHandle(cmd + list(t.args), log, f"http://127.0.0.1:{port}", llama_cpp=True)
+        return handle, "/health"
     raise ValueError(f"target kind={t.kind!r} is invalid: expected tidal, hf-static or llama.cpp")
 
 
@@ -297,12 +301,12 @@ def run(args: argparse.Namespace) -> int:
                 runs.append(stats)
                 records.append(recs)
             about = t.about
-            if t.kind == "llama.cpp" and (flavor := build_flavor(Path(handle.cmd[0]).parent)):
+            if handle.llama_cpp and (flavor := build_flavor(Path(handle.cmd[0]).parent)):
                 about += f"; built {flavor}"
             notes.setdefault(name, f"{about}; ready after {load_s:.0f} s")
             if (rc := handle.proc.poll()) is not None:  # it died during the runs
                 notes[name] += (
-                    f"; the server {describe_exit(rc)} during the runs, see {handle.log_path}"
+                    f"; the server {describe_exit(rc, handle.llama_cpp)} during the runs, see {handle.log_path}"
                 )
         except (RuntimeError, OSError, ValueError) as e:  # ValueError: http.client.InvalidURL
             notes[name] = f"failed: {e}"

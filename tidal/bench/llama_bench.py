@@ -60,9 +60,9 @@ def build_flavor(bin_dir: Path) -> str | None:
         return None
 
 
-def describe_exit(returncode: int) -> str:
-    """A process's exit status in words: "exited with N", or the signal that killed it, with what
-    a SIGILL from llama.cpp means."""
+def describe_exit(returncode: int, llama_cpp: bool = False) -> str:
+    """A process's exit status in words: "exited with N", or the signal that killed it; for a
+    llama.cpp process (`llama_cpp`), what its SIGILL means."""
     if returncode >= 0:
         return f"exited with {returncode}"
     try:
@@ -70,7 +70,7 @@ def describe_exit(returncode: int) -> str:
     except ValueError:
         return f"was killed by signal {-returncode}"
     text = f"was killed by {name}"
-    if name == "SIGILL":
+    if name == "SIGILL" and llama_cpp:
         text += (
             " (an illegal instruction: llama.cpp built natively dies so in its AMX matmul on Xeons"
             " with AMX tiles; rebuild with scripts/build_llama_server.sh, which leaves AMX out"
@@ -192,6 +192,8 @@ def _run_tool(cmd: list[str], timeout_s: float, info: dict[str, Any]) -> tuple[s
         return None
     if proc.returncode != 0:
         tail = " ".join(proc.stderr.strip().splitlines()[-3:])
-        info["notes"].append(f"{Path(cmd[0]).name} {describe_exit(proc.returncode)}: {tail}")
+        info["notes"].append(
+            f"{Path(cmd[0]).name} {describe_exit(proc.returncode, llama_cpp=True)}: {tail}"
+        )
         return None
     return proc.stdout, proc.stderr
