@@ -4,6 +4,7 @@ constrained request's tokens are the same; max_tokens inside a structure ends wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -15,6 +16,7 @@ from tests.kv.pool_check import assert_pool_clean
 from tidal import LLM, SamplingParams
 from tidal.layers.sampler import Sampler, SamplingRow
 from tidal.sampling_params import StructuredOutputs
+from tidal.structured.grammar import closed
 from tidal.structured.matchers import bitmask_words
 
 SCHEMA = {
@@ -142,3 +144,46 @@ def test_sampler_masks_only_the_constrained_rows(path: str, monkeypatch) -> None
     out = Sampler(vocab, "cpu")(logits, rows).token_ids.tolist()
     assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
     assert out[1] == (36 if logits[1, 36] > logits[1, 65] else 65)
+
+
+def test_properties_a_schema_does_not_list_are_refused_unless_it_allows_them(llm: LLM) -> None:
+    # As vLLM's default grammar engine: an object listing its properties takes no others unless
+    # the schema says so; sampled outputs would otherwise invent keys.
+    listed = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    spec = StructuredOutputs("json", json.dumps(listed))
+    params = SamplingParams(n=8, temperature=1.5, seed=3, max_tokens=40, structured_outputs=spec)
+    for c in llm.generate(["Hello world"], params)[0].outputs:
+        if c.finish_reason == "stop":
+            assert set(json.loads(c.text)) == {"a"}, c.text
+        else:
+            assert re.fullmatch(r'\{"a": -?[0-9]*', c.text), c.text
+    # Asked for: other keys may follow "a" (the same seeds write some).
+    opened = StructuredOutputs("json", json.dumps({**listed, "additionalProperties": True}))
+    outs = llm.generate(["Hello world"], dataclasses.replace(params, structured_outputs=opened))
+    assert any(re.match(r'\{"a": -?[0-9]+, "', c.text) for c in outs[0].outputs)
+
+
+def test_closed_schemas_leave_what_combines_or_allows_open() -> None:
+    obj = {"properties": {"x": {"type": "integer"}}}
+    shut = {**obj, "additionalProperties": False}
+    assert closed(obj) == shut
+    assert closed({**obj, "additionalProperties": True}) == {**obj, "additionalProperties": True}
+    assert closed({**obj, "unevaluatedProperties": False}) == {
+        **obj,
+        "unevaluatedProperties": False,
+    }
+    # Nested objects, arrays, $defs and anyOf alternatives are closed; a property named
+    # "properties" is a name, not a keyword.
+    nested = {"properties": {"properties": obj, "list": {"items": obj}}, "$defs": {"D": obj}}
+    assert closed(nested) == {
+        "properties": {"properties": shut, "list": {"items": shut}},
+        "$defs": {"D": shut},
+        "additionalProperties": False,
+    }
+    assert closed({"anyOf": [obj, {"type": "null"}]}) == {"anyOf": [shut, {"type": "null"}]}
+    # Properties spread over allOf members, a $ref, or an anyOf beside the object's own: open.
+    spread = {"properties": {"y": {}}, "allOf": [obj], "anyOf": [obj]}
+    assert closed(spread) == spread
+    assert closed({"allOf": [obj]}) == {"allOf": [obj]}
+    assert closed({**obj, "$ref": "#/$defs/D"}) == {**obj, "$ref": "#/$defs/D"}
+    assert closed(True) is True and closed({"type": "object"}) == {"type": "object"}

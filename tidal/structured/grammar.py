@@ -56,7 +56,7 @@ def _translate(spec: StructuredOutputs) -> str:
             raise GrammarError(f"invalid JSON schema: not JSON ({e})") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError("invalid JSON schema: expected a JSON object")
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
+        return llguidance.LLMatcher.grammar_from_json_schema(closed(schema), defaults=options)
     if spec.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(spec.spec)
     if spec.kind == "choice":
@@ -76,6 +76,47 @@ def _translate(spec: StructuredOutputs) -> str:
         )
     # kind == "grammar": Lark, or GBNF/EBNF (llama.cpp's `::=` rules) converted to Lark.
     return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.spec))
+
+
+# Keywords whose value is a schema or a list of schemas, and those whose value maps names to
+# schemas.
+_SUBSCHEMAS = (
+    "additionalProperties", "unevaluatedProperties", "items", "prefixItems", "additionalItems",
+    "unevaluatedItems", "contains", "propertyNames", "not", "if", "then", "else",
+)  # fmt: skip
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# An object whose properties may come from elsewhere too: its own list is not the whole.
+_COMPOSED = ("allOf", "anyOf", "oneOf", "$ref", "if", "dependentSchemas")
+
+
+def closed(schema: object, keep_open: bool = False) -> object:
+    """`schema` with every object that lists `properties` (or `patternProperties`) and says
+    nothing about others closed to them (`additionalProperties: false`), as vLLM's default
+    grammar engine (xgrammar's strict mode) treats a schema: a small model otherwise invents keys
+    (tool calls with arguments the function does not take). A schema that wants other keys says
+    `"additionalProperties": true` (or a schema for them). An object whose properties are also
+    listed elsewhere stays open: one that combines schemas (allOf, $ref, ...) and the members of
+    an allOf, or of an anyOf/oneOf beside properties of its own, since `additionalProperties`
+    sees only its sibling `properties` and closing would refuse what the whole allows."""
+    if isinstance(schema, list):
+        return [closed(s, keep_open) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = closed(out[key])
+    for key in _MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    lists = "properties" in out or "patternProperties" in out
+    for key in ("allOf", "anyOf", "oneOf"):
+        if isinstance(out.get(key), list):
+            out[key] = closed(out[key], keep_open=key == "allOf" or lists)
+    says = any(k in out for k in ("additionalProperties", "unevaluatedProperties"))
+    if lists and not says and not keep_open and not any(k in out for k in _COMPOSED):
+        out["additionalProperties"] = False
+    return out
 
 
 def check(spec: StructuredOutputs) -> None:
