@@ -234,6 +234,8 @@ USER = [{"role": "user", "content": "x"}]
         (ChatCompletionRequest, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "tool 0 must be"),
         (ChatCompletionRequest, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias", "token id"),
         (ChatCompletionRequest, {"messages": USER, "timeout_s": 0}, "timeout_s", "positive number of seconds"),
+        (ChatCompletionRequest, {"messages": USER, "modalities": ["text", "audio"]}, "modalities", "only ['text'] is served"),
+        (ChatCompletionRequest, {"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio output is not supported"),
         (CompletionRequest, {"prompt": [1, "a"]}, "prompt", "must be a string, a list of strings"),
         (CompletionRequest, {"prompt": []}, "prompt", "non-empty"),
         (CompletionRequest, {"prompt": [-1]}, "prompt", "token ids >= 0"),

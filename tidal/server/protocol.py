@@ -10,7 +10,7 @@ the sampler. `response_format` (json_object, json_schema) and vLLM's `structured
 `guided_*` constrain the output with a grammar (server/structured.py; one constraint per request).
 `tools`, `tool_choice` and `parallel_tool_calls` are served by server/tools.py (a forced choice is
 one more output constraint). Rejected with 400 because we cannot honour them: completions
-`suffix`, and `best_of` other than `n`.
+`suffix`, `best_of` other than `n`, and chat `modalities` other than text or `audio` output.
 Ranges are checked once, by SamplingParams; `to_sampling_params` names the request's own param.
 """
 
@@ -314,11 +314,28 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Output kinds: text is all a language model here writes.
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod
     def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         return _check_messages(v)
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str] | None) -> list[str] | None:
+        if v and any(m != "text" for m in v):
+            raise ValueError(f"{v!r} asks for output other than text; only ['text'] is served")
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError("audio output is not supported")
+        return v
 
     @field_validator("top_logprobs")
     @classmethod
