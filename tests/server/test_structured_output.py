@@ -11,6 +11,7 @@ import json
 import re
 from collections.abc import Iterator
 
+import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
@@ -231,6 +232,34 @@ def test_auto_tools_and_tool_turns_render(client: openai.OpenAI) -> None:
     )
     text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
     assert text == choice.message.content
+
+
+def test_tokenize_counts_the_tokens_a_chat_request_sends(bpe_server: ServerProcess) -> None:
+    # Tools, tool turns and a continued final message render as the chat endpoint renders them.
+    url = bpe_server.base_url
+    turns = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    continued = [*USER, {"role": "assistant", "content": "It is"}]
+    cases = [
+        {"messages": turns, "tools": TOOLS},
+        {"messages": continued, "continue_final_message": True, "add_generation_prompt": False},
+    ]
+    counts = []
+    for body in cases:
+        chat = {**body, "model": MODEL, "max_tokens": 1}
+        sent = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60).json()["usage"]
+        counted = httpx.post(f"{url}/tokenize", json=body, timeout=60).json()
+        assert counted["count"] == sent["prompt_tokens"], body
+        counts.append(counted["count"])
+    plain = httpx.post(f"{url}/tokenize", json={"messages": turns}).json()
+    assert plain["count"] < counts[0]  # the tools' system text
+    bad = httpx.post(f"{url}/tokenize", json={"messages": USER, "tools": [{}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
 
 
 def test_bad_tool_requests_are_400s(client: openai.OpenAI) -> None:

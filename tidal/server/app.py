@@ -17,6 +17,7 @@ from tidal.sampling_params import SamplingParams
 from tidal.server.errors import APIError, bad_request, internal_error, not_found, not_ready
 from tidal.server.generation import ClientGone
 from tidal.server.guards import admit, check_auth
+from tidal.server.inputs import chat_tokens
 from tidal.server.metrics import CONTENT_TYPE
 from tidal.server.openapi import serve_openapi
 from tidal.server.protocol import (
@@ -141,21 +142,9 @@ def build_app(state: ServerState) -> FastAPI:
         _, req = await admit(request, parse_tokenize_request)
         tok = state.tokenizer
         if isinstance(req, TokenizeChatRequest):
-            messages = [
-                {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in req.messages
-            ]
-            try:
-                text = tok.apply_chat_template(
-                    messages,
-                    add_generation_prompt=bool(req.add_generation_prompt),
-                    **(req.chat_template_kwargs or {}),
-                )
-            except Exception as e:
-                raise bad_request(f"Invalid value for 'messages': {e}", "messages") from None
+            ids = chat_tokens(req, tok)
         else:
-            text = req.prompt
-        ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            ids = tok.encode(req.prompt, add_special_tokens=bool(req.add_special_tokens))
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
         body = TokenizeResponse(
             count=len(ids), max_model_len=state.limits.max_model_len, tokens=ids, token_strs=strs

@@ -8,8 +8,19 @@ from tidal.config.limits import LimitsConfig
 from tidal.config.server import ServerConfig
 from tidal.sampling_params import SamplingParams
 from tidal.server.errors import bad_request
-from tidal.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from tidal.server.tools import ToolMode, plain_tool_turns, template_message, with_tool_text
+from tidal.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    TokenizeChatRequest,
+)
+from tidal.server.tools import (
+    ToolMode,
+    plain_tool_turns,
+    template_message,
+    tool_mode,
+    with_tool_text,
+)
 
 
 @dataclass(slots=True)
@@ -91,7 +102,11 @@ def _message_dict(m: ChatMessage) -> dict:
 
 
 def _render(
-    req: ChatCompletionRequest, tokenizer, messages: list[dict], mode: ToolMode | None = None
+    req: ChatCompletionRequest | TokenizeChatRequest,
+    tokenizer,
+    messages: list[dict],
+    mode: ToolMode | None = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
     extra = dict(req.chat_template_kwargs or {})
     cont = bool(req.continue_final_message)
@@ -110,7 +125,7 @@ def _render(
         ) from None
     if cont and messages and messages[-1]["role"] == "assistant":
         text = _cut_after_final_message(text, str(messages[-1].get("content") or ""))
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _cut_after_final_message(text: str, last: str) -> str:
@@ -130,6 +145,14 @@ def _cut_after_final_message(text: str, last: str) -> str:
         "continue_final_message",
         "invalid_value",
     )
+
+
+def chat_tokens(req: TokenizeChatRequest, tokenizer) -> list[int]:
+    """/tokenize's messages as the chat endpoint renders them (tools, tool turns, a continued
+    final message), so the count is the one a chat request would send."""
+    mode = tool_mode(req.tools, None, None) if req.tools else None
+    messages = [_message_dict(m) for m in req.messages]
+    return _render(req, tokenizer, messages, mode, bool(req.add_special_tokens))
 
 
 def chat_input(

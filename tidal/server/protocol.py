@@ -389,11 +389,17 @@ class TokenizeChatRequest(_Body):
     add_special_tokens: bool | None = False  # the template already holds BOS
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None  # listed as a chat request with them would
 
     @field_validator("messages")
     @classmethod
     def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         return _check_messages(v)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return check_tools(v)
 
 
 class DetokenizeRequest(_Body):
