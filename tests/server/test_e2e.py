@@ -142,6 +142,15 @@ def test_prompt_as_token_ids(server: ServerProcess) -> None:
     assert back == {"prompt": "Hello"}
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server: ServerProcess) -> None:
+    out = _client(server).completions.create(
+        model=MODEL, prompt="Hello there", max_tokens=1, temperature=0, echo=True,
+        extra_body={"ignore_eos": True, "truncate_prompt_tokens": 5},
+    )  # fmt: skip
+    assert out.usage.prompt_tokens == 5  # BOS and "here"
+    assert out.choices[0].text.startswith("here") and len(out.choices[0].text) == 5
+
+
 def test_chat_logprobs(server: ServerProcess) -> None:
     out = _client(server).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Hey"}], max_tokens=4, temperature=0,

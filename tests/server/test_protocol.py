@@ -235,11 +235,19 @@ USER = [{"role": "user", "content": "x"}]
         (ChatCompletionRequest, {"messages": USER, "logit_bias": {"abc": 1}}, "logit_bias", "token id"),
         (ChatCompletionRequest, {"messages": USER, "timeout_s": 0}, "timeout_s", "positive number of seconds"),
         (ChatCompletionRequest, {"messages": USER, "modalities": ["text", "audio"]}, "modalities", "only ['text'] is served"),
-        (ChatCompletionRequest, {"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio", "audio output is not supported"),
+        (ChatCompletionRequest, {"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, "audio", "not supported (tidal writes text only)"),
         (CompletionRequest, {"prompt": [1, "a"]}, "prompt", "must be a string, a list of strings"),
         (CompletionRequest, {"prompt": []}, "prompt", "non-empty"),
         (CompletionRequest, {"prompt": [-1]}, "prompt", "token ids >= 0"),
         (CompletionRequest, {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+        (CompletionRequest, {"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported (tidal does not run beam search"),
+        (CompletionRequest, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "echo with logprobs"),
+        (CompletionRequest, {"prompt": "x", "allowed_token_ids": [1]}, "allowed_token_ids", "not supported"),
+        (CompletionRequest, {"prompt": "x", "cache_salt": "a"}, "cache_salt", "shared by every request"),
+        (CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "must be -1"),
+        (ChatCompletionRequest, {"messages": USER, "echo": True}, "echo", "new message only"),
+        (ChatCompletionRequest, {"messages": USER, "functions": [{"name": "f"}]}, "functions", "send tools"),
+        (ChatCompletionRequest, {"messages": USER, "chat_template": "{{ messages }}"}, "chat_template", "not supported"),
         (CompletionRequest, {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "unless it equals n"),
         (CompletionRequest, {"prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids", "token ids >= 0"),
     ],
@@ -252,6 +260,16 @@ def test_parse_errors_name_the_param(
     err = info.value
     assert (err.status, err.type, err.param) == (400, "invalid_request_error", param)
     assert message in err.message
+
+
+def test_unserved_fields_at_their_defaults_are_accepted() -> None:
+    # What vLLM's clients send when they ask for nothing (defaults written out) still parses.
+    defaults = {"use_beam_search": False, "length_penalty": 1.0, "bad_words": [], "echo": False}
+    req = parse_request(ChatCompletionRequest, {"messages": USER, **defaults, "audio": None})
+    assert req.to_sampling_params().n == 1
+    parse_request(
+        CompletionRequest, {"prompt": "x", "length_penalty": 1, "return_token_ids": False}
+    )
 
 
 @pytest.mark.parametrize(

@@ -73,16 +73,30 @@ def completion_inputs(req: CompletionRequest, tokenizer, limits: PromptLimits) -
                 )
         if not ids:
             raise bad_request("The prompt is empty: expected at least one token.", "prompt")
-        if len(ids) > limits.max_input_tokens:
-            if not limits.truncate_left:
-                raise _too_long(len(ids), limits, "prompt")
-            keep = limits.max_input_tokens
-            bos = getattr(tokenizer, "bos_token_id", None)
-            # Keep BOS in front: the model was trained to see it first.
-            ids = [ids[0], *ids[len(ids) - keep + 1 :]] if ids[0] == bos else ids[-keep:]
+        keep = _asked_to_keep(req, limits)
+        if limits.truncate_left:
+            keep = min(keep, limits.max_input_tokens)
+        if len(ids) > keep:
+            ids = _keep_last(ids, keep, tokenizer)
             text = None if text is None else tokenizer.decode(ids, skip_special_tokens=True)
+        if len(ids) > limits.max_input_tokens:
+            raise _too_long(len(ids), limits, "prompt")
         out.append(PromptInput(ids, text))
     return out
+
+
+def _asked_to_keep(req: CompletionRequest | ChatCompletionRequest, limits: PromptLimits) -> int:
+    """vLLM's truncate_prompt_tokens: the most prompt tokens to keep (-1: all that fit)."""
+    k = req.truncate_prompt_tokens
+    return limits.max_input_tokens if k == -1 else k if k is not None else 1 << 62
+
+
+def _keep_last(ids: list[int], keep: int, tokenizer) -> list[int]:
+    """The last `keep` tokens, BOS kept in front: the model was trained to see it first."""
+    if len(ids) <= keep:
+        return ids
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [ids[0], *ids[len(ids) - keep + 1 :]] if ids[0] == bos and keep > 1 else ids[-keep:]
 
 
 def _message_dict(m: ChatMessage) -> dict:
@@ -162,6 +176,8 @@ def chat_input(
     turns after the system message go first."""
     messages = [_message_dict(m) for m in req.messages]
     ids = _render(req, tokenizer, messages, mode)
+    if len(ids) > _asked_to_keep(req, limits):  # the rendered prompt's last tokens, as vLLM
+        ids = _keep_last(ids, _asked_to_keep(req, limits), tokenizer)
     while len(ids) > limits.max_input_tokens and limits.truncate_left:
         head = 1 if messages[0]["role"] == "system" else 0
         rest = messages[head:]

@@ -10,7 +10,8 @@ the sampler. `response_format` (json_object, json_schema) and vLLM's `structured
 `guided_*` constrain the output with a grammar (server/structured.py; one constraint per request).
 `tools`, `tool_choice` and `parallel_tool_calls` are served by server/tools.py (a forced choice is
 one more output constraint). Rejected with 400 because we cannot honour them: completions
-`suffix`, `best_of` other than `n`, and chat `modalities` other than text or `audio` output.
+`suffix`, `best_of` other than `n`, chat `modalities` other than text, and the fields of
+server/unserved.py when they ask for anything.
 Ranges are checked once, by SamplingParams; `to_sampling_params` names the request's own param.
 """
 
@@ -25,6 +26,7 @@ from tidal.sampling_params import SamplingParams
 from tidal.server.errors import bad_request, from_validation_error
 from tidal.server.structured import extra_specs, one_spec, response_format_spec
 from tidal.server.tools import ToolMode, check_tools, forced_spec, tool_mode
+from tidal.server.unserved import CHAT_UNSERVED, UNSERVED, unless_default
 
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
@@ -69,6 +71,21 @@ class _SamplingRequest(_Body):
     skip_special_tokens: bool | None = True
     include_stop_str_in_output: bool | None = False
     stop_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: all that fit
+    # vLLM's and OpenAI's fields tidal cannot honour: a 400 naming the field when one is set to
+    # anything but its default (UNSERVED), rather than a reply that silently ignores it.
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    guided_whitespace_pattern: Any = None
+    logits_processors: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
     # tidal's own: higher runs first; a deadline that may only shorten server.request_timeout_s;
     # a deadline to start by that may only shorten server.queue_timeout_s; a session id whose
     # turns the prefix cache keeps warm.
@@ -109,6 +126,18 @@ class _SamplingRequest(_Body):
         if v is not None and not _token_ids(v):
             raise ValueError("must be a list of token ids >= 0")
         return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate(cls, v: int | None) -> int | None:
+        if v is not None and v != -1 and v < 1:
+            raise ValueError(f"{v!r} must be -1 (as many as fit) or a number of tokens >= 1")
+        return v
+
+    @field_validator(*UNSERVED)
+    @classmethod
+    def _unserved(cls, v: Any, info: ValidationInfo) -> Any:
+        return unless_default(UNSERVED, v, info)
 
     @field_validator("timeout_s", "queue_timeout_s")
     @classmethod
@@ -316,25 +345,28 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     # Output kinds: text is all a language model here writes.
     modalities: list[str] | None = None
-    audio: dict[str, Any] | None = None
+    audio: Any = None  # and the rest: refused when set (CHAT_UNSERVED)
+    echo: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     @field_validator("messages")
     @classmethod
     def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
         return _check_messages(v)
 
+    @field_validator(*CHAT_UNSERVED)
+    @classmethod
+    def _chat_unserved(cls, v: Any, info: ValidationInfo) -> Any:
+        return unless_default(CHAT_UNSERVED, v, info)
+
     @field_validator("modalities")
     @classmethod
     def _text_only(cls, v: list[str] | None) -> list[str] | None:
         if v and any(m != "text" for m in v):
             raise ValueError(f"{v!r} asks for output other than text; only ['text'] is served")
-        return v
-
-    @field_validator("audio")
-    @classmethod
-    def _no_audio(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            raise ValueError("audio output is not supported")
         return v
 
     @field_validator("top_logprobs")

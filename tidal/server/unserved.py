@@ -1,0 +1,40 @@
+"""Request fields tidal cannot honour, from vLLM's and OpenAI's APIs: each with the value that
+asks for nothing (the field's default there) and what to do instead. Set to anything else, the
+field is a 400 naming it, never a reply that silently ignores it (server/protocol.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationInfo
+
+UNSERVED: dict[str, tuple[Any, str]] = {
+    "use_beam_search": (False, "tidal does not run beam search (n samples several replies)"),
+    "length_penalty": (1.0, "it applies to beam search, which tidal does not run"),
+    "prompt_logprobs": (None, "on /v1/completions, echo with logprobs returns the prompt's"),
+    "bad_words": ([], "ban a single-token word with logit_bias -100"),
+    "allowed_token_ids": (None, "a choice or a grammar (structured_outputs) restricts the output"),
+    "return_tokens_as_token_ids": (False, "/tokenize gives the ids of a text"),
+    "return_token_ids": (False, "/tokenize gives the ids of a text"),
+    "guided_whitespace_pattern": (None, "JSON is written compact, without free whitespace"),
+    "logits_processors": (None, "no custom logits processors are loaded"),
+    "cache_salt": (None, "the prefix cache is shared by every request on this server"),
+    "kv_transfer_params": (None, "tidal does not transfer KV between instances"),
+    "vllm_xargs": (None, "no custom arguments are read"),
+}
+
+CHAT_UNSERVED: dict[str, tuple[Any, str]] = {
+    "audio": (None, "tidal writes text only"),
+    "echo": (False, "the reply holds the new message only"),
+    "chat_template": (None, "the model's own chat template renders every request"),
+    "documents": (None, "pass documents in the messages"),
+    "functions": (None, "the legacy functions field is not read: send tools"),
+    "function_call": (None, "the legacy function_call field is not read: send tool_choice"),
+}
+
+
+def unless_default(table: dict[str, tuple[Any, str]], v: Any, info: ValidationInfo) -> Any:
+    default, why = table[info.field_name]
+    if v is not None and v != default:
+        raise ValueError(f"not supported ({why})")
+    return v
