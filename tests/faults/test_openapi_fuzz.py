@@ -32,6 +32,7 @@ OPERATIONS = [
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",
+    "GET /v1/models/{model}",
     "GET /health",
     "GET /ready",
     "GET /metrics",

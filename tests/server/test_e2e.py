@@ -31,6 +31,9 @@ def test_models_health_ready(server: ServerProcess) -> None:
     client = _client(server)
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL) == models.data[0]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.models.retrieve("nope")
     assert httpx.get(server.base_url + "/health").status_code == 200
     assert httpx.get(server.base_url + "/ready").status_code == 200
 

@@ -14,7 +14,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tidal.sampling_params import SamplingParams
-from tidal.server.errors import APIError, bad_request, internal_error, not_found, not_ready
+from tidal.server.errors import (
+    APIError,
+    bad_request,
+    internal_error,
+    model_not_found,
+    not_found,
+    not_ready,
+)
 from tidal.server.generation import ClientGone
 from tidal.server.guards import admit, check_auth
 from tidal.server.inputs import chat_tokens
@@ -129,13 +136,25 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
 
+    def model_card() -> ModelCard:
+        return ModelCard(
+            id=state.served_name, root=state.model_root, max_model_len=state.limits.max_model_len
+        )
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         check_auth(request, state)
-        card = ModelCard(
-            id=state.served_name, root=state.model_root, max_model_len=state.limits.max_model_len
+        return Response(
+            ModelList(data=[model_card()]).model_dump_json(), media_type="application/json"
         )
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str) -> Response:
+        """OpenAI's retrieve-model (client.models.retrieve)."""
+        check_auth(request, state)
+        if model != state.served_name:
+            raise model_not_found(model, [state.served_name])
+        return Response(model_card().model_dump_json(), media_type="application/json")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

@@ -21,9 +21,11 @@ from tidal.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
+    ModelCard,
     ModelList,
     TokenizeResponse,
 )
+from tidal.server.unserved import CHAT_UNSERVED, UNSERVED
 
 _REF = "#/components/schemas/{model}"
 # One request body per route that any served model answers with 200 (the fuzz tests send it).
@@ -49,6 +51,7 @@ _ROUTES: dict[str, tuple[str, tuple[type[BaseModel], ...], type[BaseModel] | Non
     ),
     "/detokenize": ("post", (DetokenizeRequest,), DetokenizeResponse, False),
     "/v1/models": ("get", (), ModelList, False),
+    "/v1/models/{model}": ("get", (), ModelCard, False),
 }
 # Statuses each model route may answer besides 200 (errors.py builds every one of them).
 _POST_ERRORS = {
@@ -105,6 +108,17 @@ _SAMPLING: dict[str, dict[str, Any]] = {
         }
     },
 }
+
+
+def _asks_nothing(table: dict[str, tuple[Any, str]]) -> dict[str, dict[str, Any]]:
+    """Fields refused unless they ask for nothing (server/unserved.py): null or their default."""
+    return {name: {"anyOf": [{"type": "null"}, {"const": d}]} for name, (d, _) in table.items()}
+
+
+_SAMPLING.update(_asks_nothing(UNSERVED))
+_SAMPLING["truncate_prompt_tokens"] = {
+    "anyOf": [{"type": "null"}, {"const": -1}, {"type": "integer", "minimum": 1}]
+}
 _MESSAGES = {"array": {"minItems": 1}}
 _REFINE: dict[str, dict[str, dict[str, Any]]] = {
     "CompletionRequest": {
@@ -123,6 +137,8 @@ _REFINE: dict[str, dict[str, dict[str, Any]]] = {
         **_SAMPLING,
         "messages": _MESSAGES,
         "max_completion_tokens": {"integer": {"minimum": 0}},
+        **_asks_nothing(CHAT_UNSERVED),
+        "modalities": {"array": {"items": {"const": "text"}}},
         "tools": {"array": {"maxItems": 0}},
         # Without tools OpenAI allows no tool_choice but "none" (tidal has no tool calling yet).
         "tool_choice": {"anyOf": [{"type": "string", "const": "none"}, {"type": "null"}]},
@@ -182,7 +198,15 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
             ok["text/event-stream"] = {"schema": {"type": "string"}}
         op["responses"] = {"200": {"description": "Success.", "content": ok}}
         # Only the generating routes queue, restart or time out.
-        codes = _POST_ERRORS if streams else ("400", "401", "404", "413") if models else ("401",)
+        codes = (
+            _POST_ERRORS
+            if streams
+            else ("400", "401", "404", "413")
+            if models
+            else ("401", "404")
+            if "{model}" in path
+            else ("401",)
+        )
         errors = {c: _POST_ERRORS[c] for c in codes}
         for status, text in errors.items():
             op["responses"][status] = {
