@@ -8,9 +8,10 @@ import pytest
 from pydantic import ValidationError
 
 from tidal.loader.chat_template import builtin_chat_template, render_chat_template
+from tidal.loader.tokenizer import load_tokenizer
 from tidal.server.errors import APIError
-from tidal.server.inputs import _cut_after_final_message, _message_dict
-from tidal.server.protocol import ChatCompletionRequest
+from tidal.server.inputs import PromptLimits, _cut_after_final_message, _message_dict, chat_input
+from tidal.server.protocol import ChatCompletionRequest, parse_request
 
 
 def _rendered(family: str, messages: list[dict]) -> str:
@@ -87,3 +88,22 @@ def test_reasoning_on_a_user_message_is_refused() -> None:
         ChatCompletionRequest.model_validate(
             {"model": "m", "messages": [{"role": "user", "content": "hi", "reasoning": "x"}]}
         )
+
+
+def test_a_request_names_a_chat_template_but_cannot_send_one(tiny_checkpoint) -> None:
+    # Template text is a program the server would run for any client; a name picks one of the
+    # checkpoint's own, at the top level or in chat_template_kwargs (as transformers takes it).
+    tok = load_tokenizer(tiny_checkpoint)
+    limits = PromptLimits(512, tok.vocab_size, 500, False)
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    plain = chat_input(parse_request(ChatCompletionRequest, base), tok, limits).token_ids
+    named = {**base, "chat_template": "default"}
+    assert chat_input(parse_request(ChatCompletionRequest, named), tok, limits).token_ids == plain
+    loop = "{% for i in range(99999) %}{% for j in range(99999) %}x{% endfor %}{% endfor %}"
+    for body in (
+        {**base, "chat_template": loop},
+        {**base, "chat_template_kwargs": {"chat_template": loop}},
+    ):
+        with pytest.raises(APIError) as info:
+            chat_input(parse_request(ChatCompletionRequest, body), tok, limits)
+        assert info.value.param == "chat_template" and "template text" in info.value.message

@@ -247,7 +247,6 @@ USER = [{"role": "user", "content": "x"}]
         (CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "must be -1"),
         (ChatCompletionRequest, {"messages": USER, "echo": True}, "echo", "new message only"),
         (ChatCompletionRequest, {"messages": USER, "functions": [{"name": "f"}]}, "functions", "send tools"),
-        (ChatCompletionRequest, {"messages": USER, "chat_template": "{{ messages }}"}, "chat_template", "not supported"),
         (CompletionRequest, {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "unless it equals n"),
         (CompletionRequest, {"prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids", "token ids >= 0"),
     ],

@@ -123,6 +123,10 @@ def _render(
     add_special_tokens: bool = False,
 ) -> list[int]:
     extra = dict(req.chat_template_kwargs or {})
+    if req.chat_template is not None:
+        extra["chat_template"] = req.chat_template
+    if "chat_template" in extra:
+        extra["chat_template"] = _named_template(extra["chat_template"], tokenizer)
     cont = bool(req.continue_final_message)
     tools = list(mode.tools) if mode is not None and mode.tools else None
     messages = plain_tool_turns(messages, getattr(tokenizer, "chat_template", None))
@@ -140,6 +144,23 @@ def _render(
     if cont and messages and messages[-1]["role"] == "assistant":
         text = _cut_after_final_message(text, str(messages[-1].get("content") or ""))
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _named_template(name: object, tokenizer) -> str:
+    """A request's chat_template: the name of one of the checkpoint's templates. Template text
+    is refused: a template is a program the server would run for whoever sends it (a loop can
+    hold the API process for minutes), as vLLM refuses it unless the server trusts requests."""
+    default = ["default"] if tokenizer.chat_template is not None else []
+    names = [*default, *sorted(getattr(tokenizer, "named_chat_templates", {}))]
+    if name not in names:
+        shown = name if isinstance(name, str) and len(name) <= 40 else "template text"
+        raise bad_request(
+            f"Invalid value for 'chat_template': {shown!r} is not one of this model's chat "
+            f"templates ({', '.join(names)}); a request may name one but not send its own",
+            "chat_template",
+            "invalid_value",
+        )
+    return str(name)
 
 
 def _cut_after_final_message(text: str, last: str) -> str:

@@ -120,6 +120,8 @@ _SAMPLING["truncate_prompt_tokens"] = {
     "anyOf": [{"type": "null"}, {"const": -1}, {"type": "integer", "minimum": 1}]
 }
 _MESSAGES = {"array": {"minItems": 1}}
+# A request names one of the checkpoint's templates (every one has "default" where it has one).
+_TEMPLATE_NAME = {"anyOf": [{"type": "null"}, {"const": "default"}]}
 _REFINE: dict[str, dict[str, dict[str, Any]]] = {
     "CompletionRequest": {
         **_SAMPLING,
@@ -138,6 +140,7 @@ _REFINE: dict[str, dict[str, dict[str, Any]]] = {
         "messages": _MESSAGES,
         "max_completion_tokens": {"integer": {"minimum": 0}},
         **_asks_nothing(CHAT_UNSERVED),
+        "chat_template": _TEMPLATE_NAME,
         "modalities": {"array": {"items": {"const": "text"}}},
         "tools": {"array": {"maxItems": 0}},
         # Without tools OpenAI allows no tool_choice but "none" (tidal has no tool calling yet).
@@ -155,7 +158,7 @@ _REFINE: dict[str, dict[str, dict[str, Any]]] = {
             ]
         }
     },
-    "TokenizeChatRequest": {"messages": _MESSAGES},
+    "TokenizeChatRequest": {"messages": _MESSAGES, "chat_template": _TEMPLATE_NAME},
     "DetokenizeRequest": {"tokens": {"array": {"items": {"type": "integer", "minimum": 0}}}},
 }
 _REQUIRED = {"ChatMessage": ["role", "content"]}

@@ -343,11 +343,11 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # one of the checkpoint's named templates (inputs.py)
     # Output kinds: text is all a language model here writes.
     modalities: list[str] | None = None
     audio: Any = None  # and the rest: refused when set (CHAT_UNSERVED)
     echo: Any = None
-    chat_template: Any = None
     documents: Any = None
     functions: Any = None
     function_call: Any = None
@@ -421,6 +421,7 @@ class TokenizeChatRequest(_Body):
     add_special_tokens: bool | None = False  # the template already holds BOS
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
     tools: list[dict[str, Any]] | None = None  # listed as a chat request with them would
 
     @field_validator("messages")

@@ -26,7 +26,6 @@ UNSERVED: dict[str, tuple[Any, str]] = {
 CHAT_UNSERVED: dict[str, tuple[Any, str]] = {
     "audio": (None, "tidal writes text only"),
     "echo": (False, "the reply holds the new message only"),
-    "chat_template": (None, "the model's own chat template renders every request"),
     "documents": (None, "pass documents in the messages"),
     "functions": (None, "the legacy functions field is not read: send tools"),
     "function_call": (None, "the legacy function_call field is not read: send tool_choice"),
