@@ -92,6 +92,15 @@ def serve(cfg: TidalConfig) -> int:
     from tidal.server.reasoning import resolve_reasoning_parser
     from tidal.server.state import ServerState
 
+    template = None
+    if cfg.server.chat_template is not None:  # a bad template fails before the model loads
+        from tidal.loader.chat_template import read_chat_template
+
+        try:
+            template = read_chat_template(cfg.server.chat_template)
+        except ValueError as e:
+            print(f"tidal serve: server.chat_template: {e}", file=sys.stderr)
+            return 2
     # Bind first: a taken port fails before minutes of model loading, and port 0 is resolved.
     sock = _bind(cfg.server.host, cfg.server.port)
     sched = cfg.engine.scheduler
@@ -108,6 +117,8 @@ def serve(cfg: TidalConfig) -> int:
             return 1
     else:
         engine, model_root, max_model_len, vocab_size = _in_thread_engine(cfg, metrics)
+    if template is not None:
+        engine.tokenizer.chat_template = template
     try:
         reasoning = resolve_reasoning_parser(cfg.server.reasoning_parser, engine.tokenizer)
     except ValueError as e:

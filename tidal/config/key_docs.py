@@ -265,6 +265,11 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "SSE comment this often while a streamed request waits in the queue; 0: none",
         "--sse-keepalive-s",
     ),
+    "server.chat_template": KeyDoc(
+        "a Jinja chat template file (or the template text) that renders chat requests instead of "
+        "the checkpoint's; null: the checkpoint's own",
+        "--chat-template",
+    ),
     "server.reasoning_parser": KeyDoc(
         "split the think block out of chat answers into reasoning_content: auto (from the chat "
         "template), none, deepseek_r1, qwen3",

@@ -64,8 +64,19 @@ class ServerConfig:
     # REASONING_PARSERS; "auto" picks deepseek_r1 or qwen3 when the chat template names a think
     # tag.
     reasoning_parser: str = "auto"
+    # A Jinja chat template (a file, or the template text) that renders chat requests instead of
+    # the checkpoint's default one; its named templates (tool_use, ...) stay. None: the
+    # checkpoint's own, or the chat family's built-in one.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
+        check(
+            self.chat_template is None
+            or (isinstance(self.chat_template, str) and self.chat_template != ""),
+            "server.chat_template",
+            self.chat_template,
+            "a template file, the template text, or null",
+        )
         check(
             self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
             "server.tool_call_parser",

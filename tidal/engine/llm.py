@@ -119,11 +119,21 @@ class LLM:
         self,
         messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
         sampling_params: SamplingParams | None = None,
+        *,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or several, then generate."""
+        """Apply the model's chat template to one conversation or several, then generate.
+
+        `chat_template`: template text to render with instead, or the name of one of the
+        checkpoint's templates ("tool_use", ...)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        texts = [tok.apply_chat_template(list(c), add_generation_prompt=True) for c in convs]
+        texts = [
+            tok.apply_chat_template(
+                list(c), add_generation_prompt=True, chat_template=chat_template
+            )
+            for c in convs
+        ]
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
         return self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
 

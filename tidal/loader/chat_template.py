@@ -12,6 +12,7 @@ import functools
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -150,6 +151,24 @@ def builtin_chat_template(family: str) -> str:
             f"chat family is {family!r}; built-in templates exist for {sorted(BUILTIN_TEMPLATES)}"
         )
     return template
+
+
+def read_chat_template(value: str) -> str:
+    """The template a setting names: the file at `value`, else `value` itself when it reads as
+    template text (it holds a brace or a newline, as vLLM tells the two apart). ValueError when it
+    is neither, or when the template does not parse."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"chat template file {value!r} cannot be read: {e}") from None
+    elif any(c in value for c in "{}\n"):
+        text = value
+    else:
+        raise ValueError(f"chat template {value!r} is not a file (nor template text)")
+    _compile(text)
+    return text
 
 
 def choose_named_template(

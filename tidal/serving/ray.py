@@ -114,6 +114,7 @@ class TidalServer:
 
     async def __serve_build_asgi_app__(self):  # -> FastAPI
         from tidal.client.supervised import load_api_tokenizer
+        from tidal.loader.chat_template import read_chat_template
         from tidal.server.app import build_app
         from tidal.server.inputs import PromptLimits
         from tidal.server.metrics import ServerMetrics
@@ -124,6 +125,8 @@ class TidalServer:
         info: EngineReady = await self.engine.info.remote()
         client = RayEngineClient(self.engine)
         client.tokenizer = load_api_tokenizer(self.model_path)
+        if cfg.server.chat_template is not None:
+            client.tokenizer.chat_template = read_chat_template(cfg.server.chat_template)
         sched = cfg.engine.scheduler
         state = ServerState(
             engine=client,
