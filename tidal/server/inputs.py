@@ -197,8 +197,7 @@ def chat_input(
     turns after the system message go first."""
     messages = [_message_dict(m) for m in req.messages]
     ids = _render(req, tokenizer, messages, mode)
-    if len(ids) > _asked_to_keep(req, limits):  # the rendered prompt's last tokens, as vLLM
-        ids = _keep_last(ids, _asked_to_keep(req, limits), tokenizer)
+    ids = _keep_last(ids, _asked_to_keep(req, limits), tokenizer)  # as vLLM: the rendered ids
     while len(ids) > limits.max_input_tokens and limits.truncate_left:
         head = 1 if messages[0]["role"] == "system" else 0
         rest = messages[head:]
