@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 from tests.engine.tokenizers_fixture import byte_level_bpe
 from tidal.engine.output import Logprob, OutputState, StepDelta, make_logprobs
@@ -134,6 +135,37 @@ def test_length_finish_releases_held_back_text_and_incomplete_characters() -> No
     deltas = feed(st, emoji)
     assert [d.new_text for d in deltas[:-1]] == [""] * (len(emoji) - 2) + ["\ufffd"]
     assert st.to_output().outputs[0].text == TOK.decode(emoji[:-1])
+
+
+def test_held_back_text_is_the_longest_tail_that_begins_a_stop_string() -> None:
+    # Carried from step to step (KMP): the same answer as trying every tail, on growing texts
+    # over small alphabets (where tails overlap most) and past whole matches.
+    def longest_tail(text: str, stops: list[str]) -> int:
+        return max(
+            (
+                k
+                for s in stops
+                for k in range(1, min(len(s) - 1, len(text)) + 1)
+                if text.endswith(s[:k])
+            ),
+            default=0,
+        )
+
+    rng = random.Random(0)
+    for trial in range(3000):
+        alphabet = "ab" if trial % 2 else "abc"
+        stops = [
+            "".join(rng.choices(alphabet, k=rng.randint(1, 7))) for _ in range(rng.randint(1, 3))
+        ]
+        checker = StopChecker(state(stop=stops).request)
+        text = ""
+        for _ in range(rng.randint(1, 6)):
+            text += "".join(rng.choices(alphabet, k=rng.randint(0, 4)))
+            assert checker.held_back(text) == longest_tail(text, stops), (text, stops)
+    assert (
+        StopChecker(state(stop=["abc"], include_stop_str_in_output=True).request).held_back("ab")
+        == 0
+    )
 
 
 def test_abort_releases_held_text() -> None:

@@ -249,6 +249,8 @@ USER = [{"role": "user", "content": "x"}]
         (ChatCompletionRequest, {"messages": USER, "functions": [{"name": "f"}]}, "functions", "send tools"),
         (CompletionRequest, {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "unless it equals n"),
         (CompletionRequest, {"prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids", "token ids >= 0"),
+        (CompletionRequest, {"prompt": "x", "stop": ["s"] * 65}, "stop", "at most 64 stop strings of at most 1024"),
+        (ChatCompletionRequest, {"messages": USER, "stop": "s" * 1025}, "stop", "at most 64 stop strings"),
     ],
 )  # fmt: skip
 def test_parse_errors_name_the_param(

@@ -47,6 +47,12 @@ def _token_ids(value: object) -> bool:
     )
 
 
+# Stop strings are matched against every step's output in the engine: a bound keeps one request
+# from costing every other one time (OpenAI takes 4, TGI 4 by default).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+
+
 class _SamplingRequest(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -125,6 +131,16 @@ class _SamplingRequest(_Body):
     def _stop_ids(cls, v: list[int] | None) -> list[int] | None:
         if v is not None and not _token_ids(v):
             raise ValueError("must be a list of token ids >= 0")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_bounds(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else v or []
+        if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(
+                f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters"
+            )
         return v
 
     @field_validator("truncate_prompt_tokens")
