@@ -36,6 +36,9 @@ def test_models_health_ready(server: ServerProcess) -> None:
         client.models.retrieve("nope")
     assert httpx.get(server.base_url + "/health").status_code == 200
     assert httpx.get(server.base_url + "/ready").status_code == 200
+    # No server.allowed_origins: no CORS headers for a page in a browser.
+    page = httpx.get(server.base_url + "/health", headers={"Origin": "http://ui.test"})
+    assert "access-control-allow-origin" not in page.headers
 
 
 def test_completion_stream_equals_non_stream(server: ServerProcess) -> None:

@@ -207,6 +207,11 @@ KEY_DOCS: dict[str, KeyDoc] = {
         note="Keep keys out of files you commit: set TIDAL_SERVER_API_KEYS=key1,key2 or pass "
         "--api-key.",
     ),
+    "server.allowed_origins": KeyDoc(
+        'browser origins allowed to call the API (CORS; --allowed-origin repeats), "*" for any; '
+        "empty: no CORS headers",
+        "--allowed-origin",
+    ),
     "server.max_queue": KeyDoc(
         "waiting requests beyond this get 429; null: unbounded", "--max-queue", 256
     ),

@@ -271,7 +271,10 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                 flag, default=None, action=argparse.BooleanOptionalAction, help=help_text
             )
         elif key.base is tuple:
-            parser.add_argument(flag, default=None, action="append", metavar="KEY", help=help_text)
+            metavar = "KEY" if full == "server.api_keys" else "ORIGIN"
+            parser.add_argument(
+                flag, default=None, action="append", metavar=metavar, help=help_text
+            )
         else:
             parser.add_argument(
                 flag, default=None, type=_arg_type(key), choices=_CHOICES.get(full), help=help_text

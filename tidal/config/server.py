@@ -20,6 +20,10 @@ class ServerConfig:
     port: int = 8000
     # Bearer keys accepted on /v1/*; empty means no authentication.
     api_keys: tuple[str, ...] = ()
+    # Browser origins allowed to call the API (CORS), e.g. "http://localhost:3000", or "*" for
+    # any. Empty: no CORS headers, so a page in the user's browser cannot call a local server
+    # (vLLM allows every origin by default).
+    allowed_origins: tuple[str, ...] = ()
     # Default whole-request deadline; a request's own `timeout_s` may only shorten it. None: none.
     request_timeout_s: float | None = None
     # Default queue deadline: a request not started within this long ends with 504
@@ -85,6 +89,13 @@ class ServerConfig:
         )
         # A list from YAML or JSON becomes a tuple so the config stays hashable and immutable.
         object.__setattr__(self, "api_keys", tuple(self.api_keys))
+        object.__setattr__(self, "allowed_origins", tuple(self.allowed_origins))
+        check(
+            all(isinstance(o, str) and o.strip() != "" for o in self.allowed_origins),
+            "allowed_origins",
+            self.allowed_origins,
+            'origins such as "http://localhost:3000", or "*"',
+        )
         check(
             isinstance(self.host, str) and self.host != "",
             "host",

@@ -10,6 +10,7 @@ from functools import partial
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -41,7 +42,7 @@ from tidal.server.state import ServerState
 log = logging.getLogger(__name__)
 
 # Rejections counted in tidal:request_rejected_total: statuses that mean "not served".
-_REJECTED_STATUSES = (400, 401, 404, 413, 429, 503)
+_REJECTED_STATUSES = (400, 401, 404, 413, 415, 429, 503)
 # 503s for requests the engine had started are failures (tidal:requests_failed_total), not refusals.
 _FAILED_CODES = ("engine_restarted", "engine_unavailable")
 _WARMUP_PROMPT = "Hello"
@@ -103,6 +104,16 @@ def build_app(state: ServerState) -> FastAPI:
     )
     serve_openapi(app)
     app.state.tidal = state
+    if state.config.server.allowed_origins:
+        # Browsers' preflight (OPTIONS) is answered here, before routes and the key check; keys
+        # travel in a header, so no credentials (cookies) are allowed.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(state.config.server.allowed_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            max_age=600,
+        )
     engine = state.engine
     for i, replica in enumerate(engine.replicas):  # one, or data parallel's N
         # None (0 bytes) for the in-thread engine

@@ -1,5 +1,7 @@
-"""server.chat_template (--chat-template): a template file or text renders chat requests instead
-of the checkpoint's; one that is neither, or does not parse, stops `tidal serve` before it loads."""
+"""Serve options for clients: server.chat_template (--chat-template), a template file or text that
+renders chat requests instead of the checkpoint's (one that is neither, or does not parse, stops
+`tidal serve` before it loads), and server.allowed_origins (--allowed-origin), the browser
+origins that get CORS headers."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ import pytest
 from tests.server.tiny_server import ServerProcess, serve
 from tidal.loader.chat_template import read_chat_template
 
+UI = "http://ui.test:3000"
+AUTH = {"Authorization": "Bearer k"}
 # Plain turns: "user: hi\n" ... then "bot:" for the reply.
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -29,18 +33,23 @@ def server(
     path.write_text(TEMPLATE)
     yield from serve(
         ["--model", str(tiny_checkpoint), "--kv-cache-bytes", str(4 << 20),
-         "--chat-template", str(path), "--no-warmup"]
+         "--chat-template", str(path), "--allowed-origin", UI, "--api-key", "k", "--no-warmup"]
     )  # fmt: skip
 
 
 def test_the_file_renders_chat_requests(server: ServerProcess) -> None:
     messages = [{"role": "user", "content": "hi"}]
-    ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
-    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    ids = httpx.post(
+        f"{server.base_url}/tokenize", json={"messages": messages}, headers=AUTH
+    ).json()["tokens"]
+    text = httpx.post(f"{server.base_url}/detokenize", json={"tokens": ids}, headers=AUTH).json()[
+        "prompt"
+    ]
     assert text == "user: hi\nbot:"
     reply = httpx.post(
         f"{server.base_url}/v1/chat/completions",
         json={"messages": messages, "max_tokens": 2, "temperature": 0},
+        headers=AUTH,
         timeout=60,
     ).json()
     assert reply["usage"]["prompt_tokens"] == len(ids)
@@ -72,3 +81,21 @@ def test_llm_chat_renders_with_a_given_template(tiny_checkpoint: Path) -> None:
     assert out.prompt_token_ids == ids
     same = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
     assert out.outputs[0].token_ids == same.outputs[0].token_ids
+
+
+def test_an_allowed_origin_gets_cors_headers_and_others_none(server: ServerProcess) -> None:
+    url = f"{server.base_url}/v1/chat/completions"
+    ask = {
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type",
+    }
+    pre = httpx.options(url, headers={"Origin": UI, **ask})  # no key: browsers send none here
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == UI
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    other = httpx.options(url, headers={"Origin": "http://elsewhere.test", **ask})
+    assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    call = httpx.post(url, json=body, headers={"Origin": UI, **AUTH}, timeout=60)
+    assert call.status_code == 200 and call.headers["access-control-allow-origin"] == UI
+    # The key is still needed: CORS only lets the browser read the answer.
+    assert httpx.post(url, json=body, headers={"Origin": UI}).status_code == 401
