@@ -93,6 +93,18 @@ def test_wrong_or_missing_key_is_401(server: ServerProcess) -> None:
     assert httpx.get(server.base_url + "/health").status_code == 200  # probes need no key
 
 
+def test_a_body_declared_as_a_form_or_text_is_415(server: ServerProcess) -> None:
+    # What a page on any site may send without a preflight; JSON types and no type are read.
+    body = b'{"prompt": "x", "max_tokens": 1}'
+    for kind in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; b=x"):
+        r = _post(server, "/v1/completions", content=body, headers={"content-type": kind})
+        assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        assert "application/json" in r.json()["error"]["message"]
+    for kind in ("application/json; charset=utf-8", "application/vnd.api+json", None):
+        headers = {"content-type": kind} if kind else {}
+        assert _post(server, "/v1/completions", content=body, headers=headers).status_code == 200
+
+
 def test_body_over_limit_is_413(server: ServerProcess) -> None:
     r = _post(server, "/v1/completions", json={"prompt": "x" * MAX_BODY_BYTES})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"

@@ -97,6 +97,19 @@ def body_too_large(num_bytes: int | None, max_body_bytes: int) -> APIError:
     )
 
 
+def not_json(content_type: str) -> APIError:
+    """415: a body sent as something other than JSON (what a browser form or a bare `curl -d`
+    sends; a page on another site may send those without asking the server first)."""
+    return APIError(
+        415,
+        f"The request body must be JSON, sent with 'Content-Type: application/json' "
+        f"(got {content_type[:100]!r}).",
+        "invalid_request_error",
+        None,
+        "unsupported_media_type",
+    )
+
+
 def _retry_after(retry_after_s: float) -> dict[str, str]:
     # Retry-After takes whole seconds; round up so a client never comes back early.
     return {"Retry-After": str(max(1, math.ceil(retry_after_s)))}

@@ -13,6 +13,7 @@ from tidal.server.errors import (
     deadline_unmeetable,
     invalid_api_key,
     model_not_found,
+    not_json,
 )
 from tidal.server.state import ServerState
 
@@ -39,13 +40,29 @@ def check_auth(request: Request, state: ServerState) -> None:
 
 
 async def admit(request: Request, parse: Callable[[bytes], T]) -> tuple[ServerState, T]:
-    """The gate of every model route, in order: auth (401), body size (413), parse (400), model
-    name (404). Returns the server state and the parsed request."""
+    """The gate of every model route, in order: auth (401), media type (415), body size (413),
+    parse (400), model name (404). Returns the server state and the parsed request."""
     state = state_of(request)
     check_auth(request, state)
+    check_json(request)
     req = parse(await read_body(request, state))
     check_model(req.model, state)  # type: ignore[attr-defined]
     return state, req
+
+
+def check_json(request: Request) -> None:
+    """415 for a body declared as anything but JSON (application/json or a +json type; no
+    Content-Type is read as JSON). A browser sends a form or text/plain from any page without a
+    preflight, so reading those as JSON would let any site drive a server with no key, as
+    FastAPI's body parsing (vLLM's) also refuses them."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (
+        media.startswith("application/") and media.endswith("+json")
+    ):
+        raise not_json(declared)
 
 
 async def read_body(request: Request, state: ServerState) -> bytes:

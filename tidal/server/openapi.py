@@ -11,6 +11,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from tidal.server.protocol import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -59,6 +61,7 @@ _POST_ERRORS = {
     "401": "Missing or wrong API key.",
     "404": "Unknown model name.",
     "413": "The body exceeds server.max_body_bytes.",
+    "415": "The body was declared as something other than JSON (Content-Type).",
     "429": "The queue is full or the deadline cannot be met; see Retry-After.",
     "503": "Shutting down, or the engine restarted while the request ran (engine_restarted); "
     "see Retry-After.",
@@ -96,7 +99,13 @@ _SAMPLING: dict[str, dict[str, Any]] = {
     "repetition_penalty": {"number": {"exclusiveMinimum": 0, "maximum": 10}},
     "min_tokens": {"integer": {"minimum": 0}},
     "max_tokens": {"integer": {"minimum": 0}},
-    "stop": {"string": {"minLength": 1}, "array": {"items": {"type": "string", "minLength": 1}}},
+    "stop": {
+        "string": {"minLength": 1, "maxLength": MAX_STOP_CHARS},
+        "array": {
+            "maxItems": MAX_STOP_STRINGS,
+            "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+        },
+    },
     "stop_token_ids": {"array": {"items": {"type": "integer", "minimum": 0}}},
     "timeout_s": {"number": {"exclusiveMinimum": 0}},
     "queue_timeout_s": {"number": {"exclusiveMinimum": 0}},
@@ -204,7 +213,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
         codes = (
             _POST_ERRORS
             if streams
-            else ("400", "401", "404", "413")
+            else ("400", "401", "404", "413", "415")
             if models
             else ("401", "404")
             if "{model}" in path
