@@ -172,9 +172,10 @@ def build_app(state: ServerState) -> FastAPI:
         _, req = await admit(request, parse_tokenize_request)
         tok = state.tokenizer
         if isinstance(req, TokenizeChatRequest):
-            ids = chat_tokens(req, tok)
+            ids = await asyncio.to_thread(chat_tokens, req, tok)
         else:
-            ids = tok.encode(req.prompt, add_special_tokens=bool(req.add_special_tokens))
+            special = bool(req.add_special_tokens)
+            ids = await asyncio.to_thread(tok.encode, req.prompt, add_special_tokens=special)
         strs = tok.convert_ids_to_tokens(ids) if req.return_token_strs else None
         body = TokenizeResponse(
             count=len(ids), max_model_len=state.limits.max_model_len, tokens=ids, token_strs=strs

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import time
@@ -51,7 +52,9 @@ async def create_chat_completion(request: Request) -> Response:
     parser = parser_for(state.config.server.tool_call_parser, state.tokenizer.family)
     if mode.kind == "auto" and parser.start in _special_texts(state.tokenizer):
         params.skip_special_tokens = False  # the call's markers are special tokens
-    inp = chat_input(req, state.tokenizer, state.limits, mode)
+    # Off the event loop: a long conversation's encoding (the tokenizer's C code lets go of the
+    # GIL) would hold every other stream for as long.
+    inp = await asyncio.to_thread(chat_input, req, state.tokenizer, state.limits, mode)
     check_logit_bias(params, state.limits)
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(params, len(inp.token_ids), state.limits, param)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -45,7 +46,9 @@ async def create_completion(request: Request) -> Response:
     state, req = await admit(request, partial(parse_request, CompletionRequest))
     params = req.to_sampling_params()
     tok = state.tokenizer
-    inputs = completion_inputs(req, tok, state.limits)
+    # Off the event loop: encoding a long prompt (the tokenizer's C code lets go of the GIL)
+    # would hold every other stream for as long (seconds for a body of a few MiB).
+    inputs = await asyncio.to_thread(completion_inputs, req, tok, state.limits)
     check_logit_bias(params, state.limits)
     for inp in inputs:
         check_max_tokens(params, len(inp.token_ids), state.limits, "max_tokens")
