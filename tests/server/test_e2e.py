@@ -58,6 +58,26 @@ def test_completion_stream_equals_non_stream(server: ServerProcess) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
 
 
+def test_continuous_usage_stats_put_the_counts_so_far_on_every_chunk(
+    server: ServerProcess,
+) -> None:
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    for create, body in (
+        (_client(server).completions.create, {"prompt": "Hello there"}),
+        (
+            _client(server).chat.completions.create,
+            {"messages": [{"role": "user", "content": "Hi"}]},
+        ),
+    ):
+        chunks = list(
+            create(model=MODEL, max_tokens=6, temperature=0, stream=True, stream_options=options,
+                   extra_body={"ignore_eos": True}, **body)
+        )  # fmt: skip
+        counts = [c.usage.completion_tokens for c in chunks]
+        assert None not in counts and counts == sorted(counts) and counts[-1] == 6, counts
+        assert chunks[-1].choices == [] and chunks[0].usage.prompt_tokens > 0
+
+
 def test_chat_stream_equals_non_stream(server: ServerProcess) -> None:
     client = _client(server)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]

@@ -71,11 +71,12 @@ async def create_completion(request: Request) -> Response:
     if req.stream:
         server = state.config.server
         outs = job.outputs(server.stream_interval_ms / 1000)
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         # Errors before any output (429, 400) raise here and keep their status.
         body = await open_stream(
             outs,
             server.sse_keepalive_s,
-            lambda first: _stream(job, first, outs, echo, num_top, req.include_usage),
+            lambda first: _stream(job, first, outs, echo, num_top, req.include_usage, continuous),
         )
         return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     choices, prompt_logprobs, usage = await until_disconnect(request, collect(job))
@@ -118,6 +119,7 @@ async def _stream(
     echo: bool,
     num_top: int | None,
     include_usage: bool,
+    continuous_usage: bool,
 ) -> AsyncIterator[bytes]:
     state = job.state
     tok = state.tokenizer
@@ -171,6 +173,8 @@ async def _stream(
                             index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason
                         )
                     ],
+                    # vLLM's continuous_usage_stats: the counts so far on every chunk.
+                    usage=usage.usage() if continuous_usage else None,
                 )
                 yield sse_event(chunk)
         if include_usage:
