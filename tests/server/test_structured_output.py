@@ -202,6 +202,8 @@ def test_streamed_forced_tool_call_yields_valid_arguments(
         c = chunk.choices[0]
         finish = c.finish_reason or finish
         assert not c.delta.content
+        indexes = [d.index for d in c.delta.tool_calls or []]
+        assert len(indexes) == len(set(indexes)), indexes  # one entry per call in a chunk
         for d in c.delta.tool_calls or []:
             if d.id is not None:  # a call's first fragment: its id and name
                 assert d.index not in calls

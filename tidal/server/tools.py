@@ -234,6 +234,19 @@ class ToolStream:
             self.auto = StreamingToolCalls(self.parser)
 
     def feed(self, delta: str, final: bool) -> tuple[str, list[CallDelta]]:
+        """The content and the tool-call fragments of one more piece of reply, at most one
+        fragment per call (OpenAI's chunks hold one entry per index; a client that reads the
+        first entry of an index lost the rest, e.g. a named call's opening `{"`)."""
+        content, calls = self._feed(delta, final)
+        merged: list[CallDelta] = []
+        for call in calls:
+            if merged and merged[-1].index == call.index:
+                merged[-1].arguments += call.arguments
+            else:
+                merged.append(call)
+        return content, merged
+
+    def _feed(self, delta: str, final: bool) -> tuple[str, list[CallDelta]]:
         if self.mode.kind == "auto":
             assert self.auto is not None
             content, calls = self.auto.feed(delta, final)
