@@ -1,7 +1,7 @@
-"""Serve options for clients: server.chat_template (--chat-template), a template file or text that
-renders chat requests instead of the checkpoint's (one that is neither, or does not parse, stops
-`tidal serve` before it loads), and server.allowed_origins (--allowed-origin), the browser
-origins that get CORS headers."""
+"""Options for clients, served and offline: server.chat_template (--chat-template), a template
+file or text that renders chat requests instead of the checkpoint's (one that is neither, or
+does not parse, stops `tidal serve` before it loads); server.allowed_origins (--allowed-origin),
+the browser origins that get CORS headers; LLM.chat's chat_template and generate's use_tqdm."""
 
 from __future__ import annotations
 
@@ -81,6 +81,18 @@ def test_llm_chat_renders_with_a_given_template(tiny_checkpoint: Path) -> None:
     assert out.prompt_token_ids == ids
     same = llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
     assert out.outputs[0].token_ids == same.outputs[0].token_ids
+
+
+def test_llm_generate_shows_progress_when_asked(tiny_checkpoint: Path, capsys) -> None:
+    from tidal import LLM, SamplingParams
+
+    llm = LLM(str(tiny_checkpoint), kv_cache_bytes=4 << 20)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    quiet = llm.generate(["a", "bb", "ccc"], params)
+    assert "requests" not in capsys.readouterr().err
+    shown = llm.generate(["a", "bb", "ccc"], params, use_tqdm=True)
+    assert "3/3" in capsys.readouterr().err  # tqdm's bar on stderr, every request counted
+    assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in quiet]
 
 
 def test_an_allowed_origin_gets_cors_headers_and_others_none(server: ServerProcess) -> None:

@@ -87,8 +87,10 @@ class LLM:
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs in prompt order."""
+        """Run every prompt to completion with continuous batching; outputs in prompt order.
+        `use_tqdm`: a progress bar of finished requests on stderr (vLLM's argument)."""
         items = self._normalize(prompts, prompt_token_ids)
         params = sampling_params or SamplingParams()
         per = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
@@ -109,10 +111,21 @@ class LLM:
                 self.engine.abort(rid)
             raise
         final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [final[rid] for rid in ids]
 
     def chat(
@@ -121,6 +134,7 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         chat_template: str | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or several, then generate.
 
@@ -135,7 +149,9 @@ class LLM:
             for c in convs
         ]
         ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-        return self.generate(sampling_params=sampling_params, prompt_token_ids=ids)
+        return self.generate(
+            sampling_params=sampling_params, prompt_token_ids=ids, use_tqdm=use_tqdm
+        )
 
     def _normalize(self, prompts, prompt_token_ids) -> list[tuple[str | None, list[int]]]:
         tok = self.engine.tokenizer
