@@ -83,7 +83,7 @@ def test_llm_chat_renders_with_a_given_template(tiny_checkpoint: Path) -> None:
     assert out.outputs[0].token_ids == same.outputs[0].token_ids
 
 
-def test_llm_generate_shows_progress_when_asked(tiny_checkpoint: Path, capsys) -> None:
+def test_llm_generate_shows_progress_and_takes_prompt_dicts(tiny_checkpoint: Path, capsys) -> None:
     from tidal import LLM, SamplingParams
 
     llm = LLM(str(tiny_checkpoint), kv_cache_bytes=4 << 20)
@@ -93,6 +93,15 @@ def test_llm_generate_shows_progress_when_asked(tiny_checkpoint: Path, capsys) -
     shown = llm.generate(["a", "bb", "ccc"], params, use_tqdm=True)
     assert "3/3" in capsys.readouterr().err  # tqdm's bar on stderr, every request counted
     assert [o.outputs[0].token_ids for o in shown] == [o.outputs[0].token_ids for o in quiet]
+    # vLLM's prompt dicts, text or token ids, give the same outputs; other keys are refused.
+    ids = llm.get_tokenizer().encode("bb")
+    dicts = llm.generate([{"prompt": "a"}, {"prompt_token_ids": ids}], params)
+    assert [o.outputs[0].token_ids for o in dicts] == [
+        quiet[0].outputs[0].token_ids,
+        quiet[1].outputs[0].token_ids,
+    ]
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": "a", "multi_modal_data": {}}, params)
 
 
 def test_an_allowed_origin_gets_cors_headers_and_others_none(server: ServerProcess) -> None:

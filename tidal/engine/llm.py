@@ -46,6 +46,10 @@ def engine_config_from_kwargs(model: str | None, **kwargs: Any) -> EngineConfig:
     return EngineConfig(**{name: cls(**sections[name]) for name, cls in _SECTIONS.items()})
 
 
+# A prompt: text, token ids, or vLLM's {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | dict[str, Any]
+
+
 class LLM:
     """`LLM(model=None)` serves the bundled Gemma 3 270M; pass a GGUF file or HF directory otherwise.
 
@@ -82,7 +86,7 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] | None = None,
+        prompts: Prompt | Sequence[Prompt] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
@@ -159,17 +163,33 @@ class LLM:
             return [(None, list(ids)) for ids in prompt_token_ids]
         if prompts is None:
             raise ValueError("generate() needs prompts or prompt_token_ids")
-        if isinstance(prompts, str):
+        if isinstance(prompts, str | dict):
             prompts = [prompts]
         if prompts and isinstance(prompts[0], int):
             return [(None, list(prompts))]  # one prompt of token ids
         out = []
         for p in prompts:
+            if isinstance(p, dict):  # vLLM's TextPrompt / TokensPrompt
+                p = _prompt_of(p)
             if isinstance(p, str):
                 out.append((p, tok.encode(p)))
             else:
                 out.append((None, list(p)))
         return out
+
+
+def _prompt_of(prompt: dict[str, Any]) -> str | list[int]:
+    """vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": ids}; nothing else, since
+    any other key (multi_modal_data, ...) asks for what tidal would not do."""
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"}:
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(
+        f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' and nothing else; got "
+        f"{sorted(keys)}"
+    )
 
 
 __all__ = ["LLM", "SamplingParams", "replace"]
