@@ -129,7 +129,8 @@ _SAMPLING["truncate_prompt_tokens"] = {
     "anyOf": [{"type": "null"}, {"const": -1}, {"type": "integer", "minimum": 1}]
 }
 _MESSAGES = {"array": {"minItems": 1}}
-# A request names one of the checkpoint's templates (every one has "default" where it has one).
+# A request may name one of the checkpoint's templates; "default" is the one any checkpoint with a
+# template has.
 _TEMPLATE_NAME = {"anyOf": [{"type": "null"}, {"const": "default"}]}
 _REFINE: dict[str, dict[str, dict[str, Any]]] = {
     "CompletionRequest": {
