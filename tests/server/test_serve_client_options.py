@@ -120,3 +120,21 @@ def test_an_allowed_origin_gets_cors_headers_and_others_none(server: ServerProce
     assert call.status_code == 200 and call.headers["access-control-allow-origin"] == UI
     # The key is still needed: CORS only lets the browser read the answer.
     assert httpx.post(url, json=body, headers={"Origin": UI}).status_code == 401
+
+
+def test_llm_chat_continues_a_message_and_passes_template_kwargs(tiny_checkpoint: Path) -> None:
+    from tidal import LLM, SamplingParams
+
+    llm = LLM(str(tiny_checkpoint), kv_cache_bytes=4 << 20)
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "It is"}]
+    out = llm.chat(turns, params, chat_template=TEMPLATE, continue_final_message=True)[0]
+    assert out.prompt_token_ids == tok.encode("user: hi\nassistant: It is", add_special_tokens=False)
+    bare = llm.chat(turns[:1], params, chat_template=TEMPLATE, add_generation_prompt=False)[0]
+    assert bare.prompt_token_ids == tok.encode("user: hi\n", add_special_tokens=False)
+    tagged = TEMPLATE + "{{ tag }}"
+    kw = llm.chat(turns[:1], params, chat_template=tagged, chat_template_kwargs={"tag": "!"})[0]
+    assert kw.prompt_token_ids == tok.encode("user: hi\nbot:!", add_special_tokens=False)
+    with pytest.raises(ValueError, match="assistant message last"):
+        llm.chat(turns[:1], params, continue_final_message=True)

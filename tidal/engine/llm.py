@@ -15,6 +15,7 @@ from tidal.config.scheduler import SchedulerConfig
 from tidal.engine.builder import build_engine
 from tidal.engine.output import RequestOutput
 from tidal.engine.stats import StepStats
+from tidal.loader.chat_template import cut_after_final_message, normalize_messages
 from tidal.sampling_params import SamplingParams
 
 _SECTIONS = {
@@ -138,21 +139,32 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or several, then generate.
 
-        `chat_template`: template text to render with instead, or the name of one of the
-        checkpoint's templates ("tool_use", ...)."""
+        As vLLM's: `chat_template` is template text to render with instead (or the name of one
+        of the checkpoint's templates, "tool_use", ...); `continue_final_message` continues the
+        last (assistant) message instead of starting a new one (no generation prompt then);
+        `chat_template_kwargs` go to the template."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
-        texts = [
-            tok.apply_chat_template(
-                list(c), add_generation_prompt=True, chat_template=chat_template
+        ids = []
+        for conv in (normalize_messages(list(c)) for c in convs):
+            text = tok.apply_chat_template(
+                conv,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                chat_template=chat_template,
+                **(chat_template_kwargs or {}),
             )
-            for c in convs
-        ]
-        ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+            if continue_final_message:
+                if not conv or conv[-1]["role"] != "assistant":
+                    raise ValueError("continue_final_message needs an assistant message last")
+                text = cut_after_final_message(text, str(conv[-1].get("content") or ""))
+            ids.append(tok.encode(text, add_special_tokens=False))
         return self.generate(
             sampling_params=sampling_params, prompt_token_ids=ids, use_tqdm=use_tqdm
         )

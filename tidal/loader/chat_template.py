@@ -171,6 +171,23 @@ def read_chat_template(value: str) -> str:
     return text
 
 
+def cut_after_final_message(text: str, last: str) -> str:
+    """Continue the last assistant message: `text` (a rendered conversation) cut after that
+    message's content `last`, without the template's end-of-turn.
+
+    Templates may trim the content (Gemma's `| trim`), so its stripped form is looked for next;
+    one that drops or rewrites it (R1 removes everything up to `</think>`) cannot be continued:
+    ValueError, rather than a prompt with the end-of-turn still in place."""
+    for needle in (last, last.strip()):
+        end = text.rfind(needle) if needle else -1
+        if end >= 0:
+            return text[: end + len(needle)]
+    raise ValueError(
+        "the chat template does not write the final assistant message's content as given (it "
+        "drops or rewrites it), so it cannot be continued; send the text as a prompt instead"
+    )
+
+
 def choose_named_template(
     default: str | None, named: Mapping[str, str], name: str | None, has_tools: bool
 ) -> str | None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from tidal.config.limits import LimitsConfig
 from tidal.config.server import ServerConfig
+from tidal.loader.chat_template import cut_after_final_message
 from tidal.sampling_params import SamplingParams
 from tidal.server.errors import bad_request
 from tidal.server.protocol import (
@@ -164,22 +165,15 @@ def _named_template(name: object, tokenizer) -> str:
 
 
 def _cut_after_final_message(text: str, last: str) -> str:
-    """Continue the last assistant message: cut the template's end-of-turn after its content.
-
-    Templates may trim the content (Gemma's `| trim`), so its stripped form is looked for next;
-    one that drops or rewrites it (R1 removes everything up to `</think>`) cannot be continued,
-    and the request is refused instead of being sent with the end-of-turn still in place."""
-    for needle in (last, last.strip()):
-        end = text.rfind(needle) if needle else -1
-        if end >= 0:
-            return text[: end + len(needle)]
-    raise bad_request(
-        "Invalid value for 'continue_final_message': the chat template does not write the final "
-        "assistant message's content as given (it drops or rewrites it), so it cannot be "
-        "continued; send the text as a completions prompt instead",
-        "continue_final_message",
-        "invalid_value",
-    )
+    """cut_after_final_message, its refusal a 400 naming continue_final_message."""
+    try:
+        return cut_after_final_message(text, last)
+    except ValueError as e:
+        raise bad_request(
+            f"Invalid value for 'continue_final_message': {e}",
+            "continue_final_message",
+            "invalid_value",
+        ) from None
 
 
 def chat_tokens(req: TokenizeChatRequest, tokenizer) -> list[int]:
