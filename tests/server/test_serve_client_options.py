@@ -130,7 +130,9 @@ def test_llm_chat_continues_a_message_and_passes_template_kwargs(tiny_checkpoint
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "It is"}]
     out = llm.chat(turns, params, chat_template=TEMPLATE, continue_final_message=True)[0]
-    assert out.prompt_token_ids == tok.encode("user: hi\nassistant: It is", add_special_tokens=False)
+    assert out.prompt_token_ids == tok.encode(
+        "user: hi\nassistant: It is", add_special_tokens=False
+    )
     bare = llm.chat(turns[:1], params, chat_template=TEMPLATE, add_generation_prompt=False)[0]
     assert bare.prompt_token_ids == tok.encode("user: hi\n", add_special_tokens=False)
     tagged = TEMPLATE + "{{ tag }}"
