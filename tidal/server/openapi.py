@@ -152,8 +152,10 @@ _REFINE: dict[str, dict[str, dict[str, Any]]] = {
         **_asks_nothing(CHAT_UNSERVED),
         "chat_template": _TEMPLATE_NAME,
         "modalities": {"array": {"items": {"const": "text"}}},
+        # Tools are served (server/tools.py), but their shape (check_tools) is not written out
+        # here, so a schema-valid request has none, and without tools OpenAI allows no
+        # tool_choice but "none".
         "tools": {"array": {"maxItems": 0}},
-        # Without tools OpenAI allows no tool_choice but "none" (tidal has no tool calling yet).
         "tool_choice": {"anyOf": [{"type": "string", "const": "none"}, {"type": "null"}]},
         "response_format": {
             "object": {"required": ["type"], "properties": {"type": {"const": "text"}}}
