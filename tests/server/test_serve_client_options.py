@@ -14,6 +14,7 @@ import httpx2 as httpx
 import pytest
 
 from tests.server.tiny_server import ServerProcess, serve
+from tidal import LLM, SamplingParams
 from tidal.loader.chat_template import read_chat_template
 
 UI = "http://ui.test:3000"
@@ -71,10 +72,12 @@ def test_text_is_a_template_and_anything_else_is_refused(tmp_path: Path) -> None
     assert "server.chat_template" in run.stderr and "not a file" in run.stderr
 
 
-def test_llm_chat_renders_with_a_given_template(tiny_checkpoint: Path) -> None:
-    from tidal import LLM, SamplingParams
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint: Path) -> LLM:
+    return LLM(str(tiny_checkpoint), kv_cache_bytes=4 << 20)
 
-    llm = LLM(str(tiny_checkpoint), kv_cache_bytes=4 << 20)
+
+def test_llm_chat_renders_with_a_given_template(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     out = llm.chat([{"role": "user", "content": "hi"}], params, chat_template=TEMPLATE)[0]
     ids = llm.get_tokenizer().encode("user: hi\nbot:", add_special_tokens=False)
@@ -83,10 +86,7 @@ def test_llm_chat_renders_with_a_given_template(tiny_checkpoint: Path) -> None:
     assert out.outputs[0].token_ids == same.outputs[0].token_ids
 
 
-def test_llm_generate_shows_progress_and_takes_prompt_dicts(tiny_checkpoint: Path, capsys) -> None:
-    from tidal import LLM, SamplingParams
-
-    llm = LLM(str(tiny_checkpoint), kv_cache_bytes=4 << 20)
+def test_llm_generate_shows_progress_and_takes_prompt_dicts(llm: LLM, capsys) -> None:
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     quiet = llm.generate(["a", "bb", "ccc"], params)
     assert "requests" not in capsys.readouterr().err
@@ -122,10 +122,7 @@ def test_an_allowed_origin_gets_cors_headers_and_others_none(server: ServerProce
     assert httpx.post(url, json=body, headers={"Origin": UI}).status_code == 401
 
 
-def test_llm_chat_continues_a_message_and_passes_template_kwargs(tiny_checkpoint: Path) -> None:
-    from tidal import LLM, SamplingParams
-
-    llm = LLM(str(tiny_checkpoint), kv_cache_bytes=4 << 20)
+def test_llm_chat_continues_a_message_and_passes_template_kwargs(llm: LLM) -> None:
     tok = llm.get_tokenizer()
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "It is"}]
