@@ -93,11 +93,17 @@ def _gate_args(
         )
 
 
+# What generate and chat sample with where neither a flag nor the model's recommendation
+# (generation_config.json, a GGUF's general.sampling.*) says otherwise: greedy, 128 tokens.
+_CLI_SAMPLING = {"temperature": 0.0, "max_tokens": 128}
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    model = "default: the model's recommendation, else"
+    p.add_argument("--max-tokens", type=int, default=None, help=f"{model} 128")
+    p.add_argument("--temperature", type=float, default=None, help=f"0 is greedy ({model} 0)")
+    p.add_argument("--top-p", type=float, default=None, help=f"{model} 1")
+    p.add_argument("--top-k", type=int, default=None, help=f"{model} 0 (off)")
     p.add_argument("--seed", type=int, default=None)
 
 
@@ -127,16 +133,26 @@ def _build(args: argparse.Namespace) -> Any:
         return build_engine(config)
 
 
-def _params(args: argparse.Namespace) -> Any:
+def _params(args: argparse.Namespace, engine: Any) -> Any:
+    """The flags given, over the model's recommended sampling, over greedy 128 tokens."""
+    from tidal.config.model import ModelConfig
+    from tidal.loader.generation_config import sampling_defaults
     from tidal.sampling_params import SamplingParams
 
-    return SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-    )
+    recommended, source = sampling_defaults(ModelConfig(), engine.loaded.path)
+    flags = {
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "max_tokens": args.max_tokens,
+        "seed": args.seed,
+    }
+    given = {k: v for k, v in flags.items() if v is not None}
+    taken = {k: v for k, v in recommended.items() if k not in given}
+    if taken:
+        shown = ", ".join(f"{k}={v:g}" for k, v in taken.items())
+        print(f"sampling with the model's {shown} (from {source})", file=sys.stderr)
+    return SamplingParams(**{**_CLI_SAMPLING, **taken, **given})
 
 
 def _stream(
@@ -174,13 +190,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         ids = tok.encode(args.prompt)
     if not args.chat:
         sys.stdout.write(args.prompt)
-    _stream(engine, "generate-0", ids, _params(args))
+    _stream(engine, "generate-0", ids, _params(args, engine))
     return 0
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
     engine = _build(args)
     tok = engine.tokenizer
+    params = _params(args, engine)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
@@ -198,7 +215,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             engine,
             f"chat-{turn}",
             tok.encode(prompt, add_special_tokens=False),
-            _params(args),
+            params,
             "chat",
         )
         messages.append({"role": "assistant", "content": reply})

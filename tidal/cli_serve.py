@@ -89,8 +89,7 @@ def serve(cfg: TidalConfig) -> int:
     from tidal.server.app import build_app
     from tidal.server.inputs import PromptLimits
     from tidal.server.metrics import ServerMetrics
-    from tidal.server.reasoning import resolve_reasoning_parser
-    from tidal.server.state import ServerState
+    from tidal.server.state import ServerState, model_settings
 
     template = None
     if cfg.server.chat_template is not None:  # a bad template fails before the model loads
@@ -120,7 +119,7 @@ def serve(cfg: TidalConfig) -> int:
     if template is not None:
         engine.tokenizer.chat_template = template
     try:
-        reasoning = resolve_reasoning_parser(cfg.server.reasoning_parser, engine.tokenizer)
+        per_model = model_settings(cfg, engine.tokenizer, model_root)
     except ValueError as e:
         print(f"tidal serve: {e}", file=sys.stderr)
         asyncio.run(engine.shutdown())
@@ -132,7 +131,7 @@ def serve(cfg: TidalConfig) -> int:
         served_name=cfg.engine.model.served_name(Path(model_root).stem),
         model_root=model_root,
         limits=PromptLimits.of(cfg.engine.limits, max_model_len, vocab_size),
-        reasoning=reasoning,
+        **per_model,
     )
     app = build_app(state)
     uv_config = uvicorn.Config(

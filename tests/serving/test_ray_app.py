@@ -1,6 +1,6 @@
 """The Ray Serve application on a local Ray cluster (2 CPUs), driven by the openai SDK: two engine
-replicas behind tidal's request router, sessions hit the replica caching their history, and a
-SIGKILLed replica actor is survived (Serve replaces it; requests keep being answered)."""
+replicas behind tidal's request router, sessions hit the replica caching their history, the
+checkpoint's recommended sampling applies, and a SIGKILLed replica actor is survived (Serve replaces it; requests keep being answered)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ serve = pytest.importorskip("ray.serve")
 # issue's acceptance asks CI to run it, so it is not marked slow.
 
 ROOT = Path(__file__).resolve().parents[2]
-DEADLINE_S = 180.0  # a hang becomes a failure; nothing asserts how long anything took
+DEADLINE_S = 180.0
+RECOMMENDED = 5  # the tiny checkpoint's generation_config.json max_new_tokens  # a hang becomes a failure; nothing asserts how long anything took
 
 
 def _free_port() -> int:
@@ -43,6 +44,8 @@ def ray_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from tidal.serving.ray import build
 
     checkpoint = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ray_ckpt"))
+    # The ingress takes the checkpoint's recommended sampling, as `tidal serve` does.
+    (checkpoint / "generation_config.json").write_text(f'{{"max_new_tokens": {RECOMMENDED}}}')
     cfg = load_config(
         None,
         {},
@@ -101,6 +104,16 @@ def test_two_replicas_answer_and_sessions_hit_their_cache(ray_app: str) -> None:
                 {"role": "assistant", "content": r.choices[0].message.content or ""},
                 {"role": "user", "content": "And then?"},
             ]
+
+
+def test_the_ingress_applies_the_checkpoint_sampling_defaults(ray_app: str) -> None:
+    r = _client(ray_app).chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Go on."}],
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.usage is not None and r.usage.completion_tokens == RECOMMENDED
 
 
 def test_a_killed_engine_replica_is_survived(ray_app: str) -> None:

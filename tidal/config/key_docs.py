@@ -62,6 +62,17 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "keep it mapped from the file, shared with other processes on the same file",
         "--huge-pages",
     ),
+    "model.generation_config": KeyDoc(
+        "defaults for the sampling fields a request leaves unset: auto takes the checkpoint's "
+        "recommendation (generation_config.json, a GGUF's general.sampling.* keys: temperature, "
+        "top_p, top_k, min_p, repetition_penalty, max_new_tokens); none: OpenAI's defaults; or a "
+        "folder holding a generation_config.json",
+        "--generation-config",
+    ),
+    "model.override_generation_config": KeyDoc(
+        'a JSON object laid over those defaults, e.g. \'{"temperature": 0.6, "top_p": 0.95}\'',
+        "--override-generation-config",
+    ),
     # ---- batching
     "batching.enabled": KeyDoc(
         "continuous batching; false: one sequence at a time (forces max_num_seqs to 1)",

@@ -127,6 +127,8 @@ def coerce_value(key: ConfigKey, value: object, origin: str) -> object:
     elif key.base is tuple:
         ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
         value = tuple(value) if ok else value  # type: ignore[arg-type]
+    elif key.full == "model.override_generation_config" and isinstance(value, dict):
+        return value  # a YAML mapping: ModelConfig writes it as the JSON text the flag takes
     else:
         ok = isinstance(value, str)
     if not ok:

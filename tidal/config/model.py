@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from pathlib import PurePath
 
@@ -10,6 +12,16 @@ from tidal.config.quant import SCHEMES as QUANTIZATIONS
 
 # The dtypes a user may name; "auto" is resolved by the engine once the device is known.
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The sampling settings a checkpoint may recommend, by their generation_config.json names (vLLM's
+# --override-generation-config takes the same); max_new_tokens is a request's max_tokens.
+GENERATION_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "max_new_tokens",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +47,13 @@ class ModelConfig:
     # pages once the engine is ready (tidal/loader/resident.py): faster decode, but the pages are
     # the process's own, where the file's mapping is shared by every process on the same file.
     huge_pages: bool = True
+    # Defaults for the sampling fields a request leaves unset (tidal/loader/generation_config.py):
+    # "auto" takes the checkpoint's recommendation (generation_config.json, a GGUF's
+    # general.sampling.* keys), as vLLM and llama.cpp do; "none" keeps OpenAI's defaults; else a
+    # folder holding a generation_config.json (or that file).
+    generation_config: str = "auto"
+    # A JSON object of GENERATION_FIELDS laid over those defaults: '{"temperature": 0.6}'.
+    override_generation_config: str | None = None
 
     def __post_init__(self) -> None:
         check(
@@ -74,6 +93,37 @@ class ModelConfig:
             self.quantization,
             f"one of {', '.join(QUANTIZATIONS)}",
         )
+
+        check(
+            isinstance(self.generation_config, str) and self.generation_config.strip() != "",
+            "generation_config",
+            self.generation_config,
+            "auto, none, or a folder holding generation_config.json",
+        )
+        if isinstance(self.override_generation_config, dict):  # LLM(...) and YAML give a mapping
+            object.__setattr__(
+                self, "override_generation_config", json.dumps(self.override_generation_config)
+            )
+        self.generation_overrides()  # raises on a bad one
+
+    def generation_overrides(self) -> dict[str, float]:
+        """`override_generation_config` as a dict (empty when unset); ValueError naming the key."""
+        text = self.override_generation_config
+        if text is None:
+            return {}
+        name = "override_generation_config"
+        try:
+            value = json.loads(text) if isinstance(text, str) else None
+        except json.JSONDecodeError:
+            value = None
+        check(isinstance(value, dict), name, text, 'a JSON object such as {"temperature": 0.6}')
+        for field, number in value.items():
+            check(field in GENERATION_FIELDS, name, text,
+                  f"keys among {', '.join(GENERATION_FIELDS)} (got {field!r})")  # fmt: skip
+            ok = isinstance(number, int | float) and not isinstance(number, bool)
+            check(ok and math.isfinite(number), name, text,
+                  f"a number for {field!r} (got {number!r})")  # fmt: skip
+        return value
 
     def served_name(self, bundled_name: str) -> str:
         """The public model id: `served_model_name`, else the checkpoint's file or folder stem."""

@@ -16,6 +16,7 @@ from tidal.engine.builder import build_engine
 from tidal.engine.output import RequestOutput
 from tidal.engine.stats import StepStats
 from tidal.loader.chat_template import cut_after_final_message, normalize_messages
+from tidal.loader.generation_config import model_sampling_defaults
 from tidal.sampling_params import SamplingParams
 
 _SECTIONS = {
@@ -71,6 +72,10 @@ class LLM:
         self.config = engine_config_from_kwargs(model, **kwargs)
         self.engine = build_engine(self.config, on_step=on_step)
         self._ids = itertools.count()
+        # The checkpoint's recommended sampling (model.generation_config), as vLLM's LLM reads it
+        self._sampling_defaults = model_sampling_defaults(
+            self.config.model, self.engine.loaded.path
+        )
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker ranks, if any (they also end with this process)."""
@@ -85,6 +90,13 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` sample with when given no SamplingParams: the checkpoint's
+        recommendation (generation_config.json, a GGUF's general.sampling.* keys, with
+        `override_generation_config` laid over it) on SamplingParams' own defaults, as vLLM's
+        LLM does; `generation_config="none"` leaves SamplingParams() alone."""
+        return SamplingParams(**self._sampling_defaults)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt] | None = None,
@@ -97,7 +109,7 @@ class LLM:
         """Run every prompt to completion with continuous batching; outputs in prompt order.
         `use_tqdm`: a progress bar of finished requests on stderr (vLLM's argument)."""
         items = self._normalize(prompts, prompt_token_ids)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         per = [params] * len(items) if isinstance(params, SamplingParams) else list(params)
         if len(per) != len(items):
             raise ValueError(f"got {len(per)} sampling_params for {len(items)} prompts")

@@ -18,6 +18,8 @@ Ranges are checked once, by SamplingParams; `to_sampling_params` names the reque
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
@@ -30,6 +32,11 @@ from tidal.server.unserved import CHAT_UNSERVED, UNSERVED, unless_default
 
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def _given(value: Any, default: Any) -> Any:
+    """A request field's value, or `default` where it is absent or null."""
+    return default if value is None else value
 
 
 class _Body(BaseModel):
@@ -47,6 +54,8 @@ def _token_ids(value: object) -> bool:
     )
 
 
+# No model recommendation (model.generation_config none, or the checkpoint has none).
+_NONE: Mapping[str, Any] = MappingProxyType({})
 # Stop strings are matched against every step's output in the engine: a bound keeps one request
 # from costing every other one time (OpenAI takes 4, TGI 4 by default).
 MAX_STOP_STRINGS = 64
@@ -173,26 +182,28 @@ class _SamplingRequest(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def _common_kwargs(self) -> dict[str, Any]:
-        def given(value: Any, default: Any) -> Any:
-            return default if value is None else value
+    def _common_kwargs(self, defaults: Mapping[str, Any]) -> dict[str, Any]:
+        # `defaults`: the model's recommended sampling (model.generation_config), for what the
+        # request leaves unset (absent or null), as vLLM applies generation_config.json.
+        def model_or(name: str, default: Any) -> Any:
+            return _given(getattr(self, name), defaults.get(name, default))
 
         return {
-            "n": given(self.n, 1),
-            "temperature": given(self.temperature, 1.0),
-            "top_p": given(self.top_p, 1.0),
-            "top_k": given(self.top_k, 0),
-            "min_p": given(self.min_p, 0.0),
-            "presence_penalty": given(self.presence_penalty, 0.0),
-            "frequency_penalty": given(self.frequency_penalty, 0.0),
-            "repetition_penalty": given(self.repetition_penalty, 1.0),
+            "n": _given(self.n, 1),
+            "temperature": model_or("temperature", 1.0),
+            "top_p": model_or("top_p", 1.0),
+            "top_k": model_or("top_k", 0),
+            "min_p": model_or("min_p", 0.0),
+            "presence_penalty": _given(self.presence_penalty, 0.0),
+            "frequency_penalty": _given(self.frequency_penalty, 0.0),
+            "repetition_penalty": model_or("repetition_penalty", 1.0),
             "seed": self.seed,
-            "min_tokens": given(self.min_tokens, 0),
+            "min_tokens": _given(self.min_tokens, 0),
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": bool(self.ignore_eos),
             "include_stop_str_in_output": bool(self.include_stop_str_in_output),
-            "skip_special_tokens": given(self.skip_special_tokens, True),
+            "skip_special_tokens": _given(self.skip_special_tokens, True),
             "logit_bias": (
                 {int(t): float(b) for t, b in self.logit_bias.items()} if self.logit_bias else None
             ),
@@ -269,9 +280,11 @@ class CompletionRequest(_SamplingRequest):
             return [p]  # type: ignore[list-item]
         return p  # type: ignore[return-value]
 
-    def to_sampling_params(self) -> SamplingParams:
-        kwargs = self._common_kwargs()
-        kwargs["max_tokens"] = self.max_tokens
+    def to_sampling_params(self, defaults: Mapping[str, Any] = _NONE) -> SamplingParams:
+        kwargs = self._common_kwargs(defaults)
+        # An explicit null runs to the context limit, or to the model's max_new_tokens if it
+        # recommends one; left out, OpenAI's 16.
+        kwargs["max_tokens"] = _given(self.max_tokens, defaults.get("max_tokens"))
         kwargs["logprobs"] = self.logprobs
         # echo with logprobs returns the prompt's logprobs too, as OpenAI does.
         kwargs["prompt_logprobs"] = (
@@ -405,11 +418,13 @@ class ChatCompletionRequest(_SamplingRequest):
         forced = forced_spec(self.tool_mode())
         return super()._output_constraints() + ([("tool_choice", forced)] if forced else [])
 
-    def to_sampling_params(self) -> SamplingParams:
-        kwargs = self._common_kwargs()
+    def to_sampling_params(self, defaults: Mapping[str, Any] = _NONE) -> SamplingParams:
+        kwargs = self._common_kwargs(defaults)
         uses_new = self.max_completion_tokens is not None
-        # None runs to the context limit (Request.max_model_len), like OpenAI and vLLM chat.
-        kwargs["max_tokens"] = self.max_completion_tokens if uses_new else self.max_tokens
+        # None runs to the model's max_new_tokens if it recommends one, else to the context
+        # limit (Request.max_model_len), like OpenAI and vLLM chat.
+        asked = self.max_completion_tokens if uses_new else self.max_tokens
+        kwargs["max_tokens"] = _given(asked, defaults.get("max_tokens"))
         kwargs["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
         names = {
             "max_tokens": "max_completion_tokens" if uses_new else "max_tokens",

@@ -47,7 +47,7 @@ from tidal.server.tools import ToolMode, ToolStream, read_calls
 
 async def create_chat_completion(request: Request) -> Response:
     state, req = await admit(request, partial(parse_request, ChatCompletionRequest))
-    params = req.to_sampling_params()
+    params = req.to_sampling_params(state.sampling_defaults)
     mode = req.tool_mode()
     parser = parser_for(state.config.server.tool_call_parser, state.tokenizer.family)
     if mode.kind == "auto" and parser.start in _special_texts(state.tokenizer):

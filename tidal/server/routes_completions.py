@@ -44,7 +44,7 @@ from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_ev
 
 async def create_completion(request: Request) -> Response:
     state, req = await admit(request, partial(parse_request, CompletionRequest))
-    params = req.to_sampling_params()
+    params = req.to_sampling_params(state.sampling_defaults)
     tok = state.tokenizer
     # Off the event loop: encoding a long prompt (the tokenizer's C code lets go of the GIL)
     # would hold every other stream for as long (seconds for a body of a few MiB).

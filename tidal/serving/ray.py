@@ -118,7 +118,7 @@ class TidalServer:
         from tidal.server.app import build_app
         from tidal.server.inputs import PromptLimits
         from tidal.server.metrics import ServerMetrics
-        from tidal.server.state import ServerState
+        from tidal.server.state import ServerState, model_settings
         from tidal.serving.ray_client import RayEngineClient
 
         cfg = self.config
@@ -137,6 +137,7 @@ class TidalServer:
             served_name=cfg.engine.model.served_name(Path(self.model_path).stem),
             model_root=self.model_path,
             limits=PromptLimits.of(cfg.engine.limits, info.max_model_len, info.vocab_size),
+            **model_settings(cfg, client.tokenizer, self.model_path),
         )
         return build_app(state)
 
