@@ -30,6 +30,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model_path",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it: the same as --model",
+    )
     add_cli_arguments(parser)
     parser.add_argument(
         "--print-config",
@@ -57,8 +64,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the config; print it with --print-config, else serve until SIGINT/SIGTERM. Exit code."""
+    flags = cli_overrides_from_args(args)
+    positional = getattr(args, "model_path", None)
+    if positional is not None:
+        if flags.get("model.path", positional) != positional:
+            print(f"tidal serve: the model is {positional!r} and --model {flags['model.path']!r}: "
+                  "give one", file=sys.stderr)  # fmt: skip
+            return 2
+        flags["model.path"] = positional
     try:
-        cfg = load_config(args.config, os.environ, cli_overrides_from_args(args))
+        cfg = load_config(args.config, os.environ, flags)
     except (ValueError, OSError) as e:
         print(f"tidal serve: {e}", file=sys.stderr)
         return 2

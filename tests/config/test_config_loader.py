@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -126,6 +127,42 @@ def test_cli_flags_map_to_keys() -> None:
     assert e.model.huge_pages is True  # the default
     assert load_config(None, {}, _parse(["--no-huge-pages"])).engine.model.huge_pages is False
     assert (cfg.server.request_timeout_s, cfg.server.host) == (30.0, "::1")
+
+
+def test_vllm_flag_names_set_the_same_keys() -> None:
+    vllm = _parse(["--tensor-parallel-size", "2", "-dp", "3", "--enable-prefix-caching",
+                   "--no-enable-chunked-prefill"])  # fmt: skip
+    own = _parse(["--tensor-parallel", "2", "--data-parallel", "3", "--prefix-caching",
+                  "--no-chunked-prefill"])  # fmt: skip
+    assert (
+        vllm
+        == own
+        == {
+            "hardware.tensor_parallel": 2,
+            "hardware.data_parallel": 3,
+            "memory.enable_prefix_caching": True,
+            "batching.enable_chunked_prefill": False,
+        }
+    )
+    assert _parse(["-tp", "4", "--data-parallel-size", "1"]) == {
+        "hardware.tensor_parallel": 4,
+        "hardware.data_parallel": 1,
+    }
+
+
+def test_serve_takes_the_model_as_vllm_serve_does(tmp_path: Path) -> None:
+    from tidal.cli_serve import main
+
+    out = tmp_path / "cfg.yaml"
+
+    def printed(argv: list[str]) -> int:
+        with open(out, "w") as fh, contextlib.redirect_stdout(fh):
+            return main([*argv, "--print-config"])
+
+    assert printed(["/m/x.gguf", "--max-num-seqs", "4"]) == 0
+    assert "path: /m/x.gguf" in out.read_text()
+    assert printed(["/m/x.gguf", "--model", "/m/x.gguf"]) == 0  # the same one twice is fine
+    assert printed(["/m/x.gguf", "--model", "/m/y.gguf"]) == 2  # two models: refused
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,8 @@ class KeyDoc:
     flag: str | None = None  # None: set it in the file or as TIDAL_<SECTION>_<KEY>
     example: object = DEFAULT  # the value examples/tidal.yaml sets ("1GiB" for sizes)
     note: str | None = None  # a comment line the example prints above the key
+    # vLLM's names for the same setting, so a vLLM command line runs as it is
+    aliases: tuple[str, ...] = ()
 
 
 KEY_DOCS: dict[str, KeyDoc] = {
@@ -104,7 +106,9 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "--cpu-budget-step-ms",
     ),
     "batching.enable_chunked_prefill": KeyDoc(
-        "split long prompts across steps so decodes keep flowing", "--chunked-prefill"
+        "split long prompts across steps so decodes keep flowing",
+        "--chunked-prefill",
+        aliases=("--enable-chunked-prefill",),
     ),
     "batching.window_ms": KeyDoc(
         "the admission window: when idle, wait up to this long to gather arriving prefills "
@@ -141,6 +145,7 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "reuse the KV of shared prompt prefixes (system prompts, chat turns); the seed "
         "layout's attention_cache",
         "--prefix-caching",
+        aliases=("--enable-prefix-caching",),
     ),
     "memory.prefix_ttl_s": KeyDoc(
         "drop idle cached blocks after this many seconds", "--prefix-ttl-s"
@@ -181,6 +186,7 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "ranks one model is split across (tensor parallel; processes on CPU, one GPU each on "
         "CUDA); it must divide the attention heads; CPU threads are split between ranks",
         "--tensor-parallel",
+        aliases=("--tensor-parallel-size", "-tp"),
     ),
     "hardware.distributed_executor_backend": KeyDoc(
         "where tensor-parallel ranks run: mp (local processes) or ray (Ray actors in a "
@@ -197,6 +203,7 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "each is a supervised process with the whole model, and CPU threads are split between "
         "them (hardware.threads is per replica; null: cores / N)",
         "--data-parallel",
+        aliases=("--data-parallel-size", "-dp"),
     ),
     # ---- limits
     "limits.max_input_tokens": KeyDoc(

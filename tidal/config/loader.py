@@ -266,19 +266,22 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
             else ("null" if key.default is None else key.default)
         )
         help_text = f"{text} [{full}; default {shown}]"
+        # the dest is the flag's: cli_overrides_from_args finds an alias's value there
+        names = (flag, *KEY_DOCS[full].aliases)
         if key.base is bool:
             parser.add_argument(
-                flag, default=None, action=argparse.BooleanOptionalAction, help=help_text
+                *names, default=None, action=argparse.BooleanOptionalAction, help=help_text
             )
         elif key.base is tuple:
             metavar = "KEY" if full == "server.api_keys" else "ORIGIN"
             parser.add_argument(
-                flag, default=None, action="append", metavar=metavar, help=help_text
+                *names, default=None, action="append", metavar=metavar, help=help_text
             )
         else:
             parser.add_argument(
-                flag, default=None, type=_arg_type(key), choices=_CHOICES.get(full), help=help_text
-            )
+                *names, default=None, type=_arg_type(key), choices=_CHOICES.get(full),
+                help=help_text,
+            )  # fmt: skip
 
 
 def cli_overrides_from_args(args: argparse.Namespace) -> dict[str, object]:

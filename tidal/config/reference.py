@@ -111,6 +111,8 @@ def docs_key_list() -> str:
         flag = f"`{doc.flag}`" if doc.flag else ""
         if doc.flag and key.base is bool:
             flag = f"`{doc.flag}` / `--no-{doc.flag[2:]}`"
+        if doc.aliases:
+            flag += " (vLLM: " + ", ".join(f"`{a}`" for a in doc.aliases) + ")"
         default = format_value(key, key.default)
         lines.append(f"| `{full}` | {flag} | `{default}` | {_cell(doc.text)} |")
     lines += [
