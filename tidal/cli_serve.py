@@ -22,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
-        "/v1/chat/completions, /v1/models, /tokenize, /metrics, /health, /ready).",
+        "/v1/chat/completions, /v1/responses, /v1/models, /tokenize, /metrics, /health, /ready).",
     )
     _add_arguments(parser)
     parser.set_defaults(func=run)

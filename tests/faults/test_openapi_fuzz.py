@@ -29,6 +29,7 @@ FUZZ = settings(
 OPERATIONS = [
     "POST /v1/completions",
     "POST /v1/chat/completions",
+    "POST /v1/responses",
     "POST /tokenize",
     "POST /detokenize",
     "GET /v1/models",

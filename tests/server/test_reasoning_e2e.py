@@ -170,6 +170,25 @@ def test_a_stream_splits_the_same_way(r1_server) -> None:
     assert usage.completion_tokens_details.reasoning_tokens == 2 * forced.num_reasoning
 
 
+def test_responses_return_a_reasoning_item_then_the_message(r1_server) -> None:
+    server, forced = r1_server
+    body = {
+        "model": MODEL, "input": USER, "temperature": 0, "max_output_tokens": MAX_TOKENS,
+        "extra_body": {"logit_bias": forced.bias, **PENALTIES},
+    }  # fmt: skip
+    resp = _client(server).responses.create(**body)
+    reasoning, message = resp.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == forced.reasoning
+    assert message.type == "message" and resp.output_text == forced.content
+    assert resp.usage.output_tokens_details.reasoning_tokens == forced.num_reasoning
+    events = list(_client(server).responses.create(**body, stream=True))
+    thought = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    answer = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (thought, answer) == (forced.reasoning, forced.content)
+    done = [e.item.type for e in events if e.type == "response.output_item.done"]
+    assert done == ["reasoning", "message"]  # the thought's item closes before the answer's
+
+
 def test_no_end_tag_is_all_reasoning(r1_server) -> None:
     server, forced = r1_server
     k = forced.num_reasoning

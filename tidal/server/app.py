@@ -37,6 +37,7 @@ from tidal.server.protocol import (
 from tidal.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from tidal.server.routes_chat import create_chat_completion
 from tidal.server.routes_completions import create_completion
+from tidal.server.routes_responses import create_response
 from tidal.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
+    app.add_api_route("/v1/responses", create_response, methods=["POST"])
 
     def model_card() -> ModelCard:
         return ModelCard(

@@ -19,6 +19,7 @@ from tidal.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from tidal.server.protocol_responses import ResponsesRequest
 from tidal.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
@@ -37,6 +38,7 @@ _EXAMPLES: dict[str, dict[str, Any]] = {
         "messages": [{"role": "user", "content": "Say hello"}],
         "max_completion_tokens": 8,
     },
+    "/v1/responses": {"input": "Say hello", "max_output_tokens": 8},
     "/tokenize": {"prompt": "Say hello"},
     "/detokenize": {"tokens": [2, 3]},
 }
@@ -45,6 +47,8 @@ _EXAMPLES: dict[str, dict[str, Any]] = {
 _ROUTES: dict[str, tuple[str, tuple[type[BaseModel], ...], type[BaseModel] | None, bool]] = {
     "/v1/completions": ("post", (CompletionRequest,), CompletionResponse, True),
     "/v1/chat/completions": ("post", (ChatCompletionRequest,), ChatCompletionResponse, True),
+    # OpenAI's Response object: built as a dict (routes_responses.py), described by OpenAI
+    "/v1/responses": ("post", (ResponsesRequest,), None, True),
     "/tokenize": (
         "post",
         (TokenizeCompletionRequest, TokenizeChatRequest),
@@ -187,7 +191,8 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     doc = get_openapi(
         title="tidal",
         version="1",
-        description="OpenAI-compatible completions and chat, plus tokenize, health and metrics.",
+        description="OpenAI-compatible completions, chat and responses, plus tokenize, health and "
+        "metrics.",
         routes=app.routes,
     )
     requests = [(m, "validation") for r in _ROUTES.values() for m in r[1]]
@@ -209,6 +214,8 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
         ok: dict[str, Any] = {}
         if reply is not None:
             ok["application/json"] = {"schema": keys[(reply, "serialization")]}
+        elif models:
+            ok["application/json"] = {"schema": {"type": "object"}}
         if streams:
             ok["text/event-stream"] = {"schema": {"type": "string"}}
         op["responses"] = {"200": {"description": "Success.", "content": ok}}

@@ -493,17 +493,22 @@ def parse_request(cls: type[_T], body: bytes | str | object) -> _T:
         raise from_validation_error(e) from None
 
 
+def decode_json(body: bytes | str) -> Any:
+    """The decoded body, or a 400 `invalid_json`."""
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise bad_request(
+            f"The request body is not valid JSON: {e}.", None, "invalid_json"
+        ) from None
+
+
 def parse_tokenize_request(
     body: bytes | str | object,
 ) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """/tokenize takes either shape; the presence of `messages` decides which."""
     if isinstance(body, bytes | str):
-        try:
-            body = json.loads(body)
-        except ValueError as e:
-            raise bad_request(
-                f"The request body is not valid JSON: {e}.", None, "invalid_json"
-            ) from None
+        body = decode_json(body)
     if isinstance(body, dict) and "messages" in body:
         return parse_request(TokenizeChatRequest, body)
     return parse_request(TokenizeCompletionRequest, body)

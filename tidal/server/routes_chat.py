@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from functools import partial
 
 from starlette.requests import Request
@@ -41,12 +42,35 @@ from tidal.server.responses import (
     random_id,
 )
 from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_event, sse_event
+from tidal.server.state import ServerState
 from tidal.server.tool_parsers import ToolParser, parser_for
 from tidal.server.tools import ToolMode, ToolStream, read_calls
 
 
 async def create_chat_completion(request: Request) -> Response:
     state, req = await admit(request, partial(parse_request, ChatCompletionRequest))
+    run = await start_chat(state, req)
+    if req.stream:
+        # Errors before any output (429, 400) raise here and keep their status.
+        body = await run.stream(_chat_sse)
+        return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
+    body = await run.response(request)
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+async def _chat_sse(chunks: AsyncIterator[ChatCompletionStreamResponse]) -> AsyncIterator[bytes]:
+    try:
+        async for c in chunks:
+            yield sse_event(c)
+        yield SSE_DONE
+    except APIError as e:
+        yield sse_error_event(e)
+        yield SSE_DONE
+
+
+async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
+    """Everything up to generation: sampling params, the rendered and checked prompt, the job.
+    Raises the request's 400s; /v1/responses runs its requests through here too."""
     params = req.to_sampling_params(state.sampling_defaults)
     mode = req.tool_mode()
     parser = parser_for(state.config.server.tool_call_parser, state.tokenizer.family)
@@ -71,48 +95,72 @@ async def create_chat_completion(request: Request) -> Response:
             req.queue_timeout_s, state.config.server.queue_timeout_s
         ),
     )
-    num_top = params.logprobs  # None unless logprobs is true
     reasoning = ChatReasoning.of(state.reasoning, req, state.tokenizer)
-    if req.stream:
-        server = state.config.server
-        outs = job.outputs(server.stream_interval_ms / 1000)
+    return ChatRun(req, job, params.logprobs, reasoning, mode, parser)
+
+
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request ready to generate: read it whole (`response`) or as chunks (`stream`)."""
+
+    req: ChatCompletionRequest
+    job: GenerationJob
+    num_top: int | None  # top logprobs per token; None unless logprobs is true
+    reasoning: ChatReasoning | None
+    mode: ToolMode
+    parser: ToolParser
+
+    async def stream(
+        self, encode: Callable[[AsyncIterator[ChatCompletionStreamResponse]], AsyncIterator[bytes]]
+    ) -> AsyncIterator[bytes]:
+        """The response body: `encode` turns the chunks into bytes (raising APIError for a
+        failure after the first output). Errors before any output raise here."""
+        server = self.job.state.config.server
+        outs = self.job.outputs(server.stream_interval_ms / 1000)
+        return await open_stream(
+            outs, server.sse_keepalive_s, lambda first: encode(self._chunks(first, outs))
+        )
+
+    async def response(self, request: Request) -> ChatCompletionResponse:
+        job, state, reasoning = self.job, self.job.state, self.reasoning
+        choices, _, usage = await until_disconnect(request, collect(job))
+        tok = state.tokenizer
+        out_choices = []
+        for idx, ch in sorted(choices.items()):
+            text = "".join(ch.text)
+            # The think block comes off first: a tool call is read from the answer only (R1
+            # writes its calls after </think>).
+            split = None if reasoning is None else reasoning.split(text)
+            answer = text if split is None else split.content or ""
+            message, finish = _message(answer, ch.finish_reason, self.mode, self.parser)
+            if split is not None:
+                message.reasoning_content = message.reasoning = split.reasoning_content
+                if split.content is None and not message.tool_calls:
+                    message.content = None
+            lp = None
+            if self.num_top is not None:
+                lp = chat_logprobs(ch.token_ids, ch.logprobs, self.num_top, tok)
+            out_choices.append(
+                ChatCompletionChoice(index=idx, message=message, logprobs=lp, finish_reason=finish)
+            )
+        usage_info = usage.usage()
+        if reasoning is not None:
+            usage_info.completion_tokens_details = reasoning.details(
+                ch.token_ids for ch in choices.values()
+            )
+        return ChatCompletionResponse(
+            id=job.request_id, model=state.served_name, choices=out_choices, usage=usage_info
+        )
+
+    def _chunks(
+        self, first: tuple, rest: AsyncIterator
+    ) -> AsyncIterator[ChatCompletionStreamResponse]:
+        req = self.req
         continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        # Errors before any output (429, 400) raise here and keep their status.
-        body = await open_stream(
-            outs,
-            server.sse_keepalive_s,
-            lambda first: _stream(
-                job, first, outs, num_top, req.include_usage, continuous, reasoning, mode, parser
-            ),
-        )
-        return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
-    choices, _, usage = await until_disconnect(request, collect(job))
-    tok = state.tokenizer
-    out_choices = []
-    for idx, ch in sorted(choices.items()):
-        text = "".join(ch.text)
-        # The think block comes off first: a tool call is read from the answer only (R1 writes
-        # its calls after </think>).
-        split = None if reasoning is None else reasoning.split(text)
-        answer = text if split is None else split.content or ""
-        message, finish = _message(answer, ch.finish_reason, mode, parser)
-        if split is not None:
-            message.reasoning_content = message.reasoning = split.reasoning_content
-            if split.content is None and not message.tool_calls:
-                message.content = None
-        lp = None if num_top is None else chat_logprobs(ch.token_ids, ch.logprobs, num_top, tok)
-        out_choices.append(
-            ChatCompletionChoice(index=idx, message=message, logprobs=lp, finish_reason=finish)
-        )
-    usage_info = usage.usage()
-    if reasoning is not None:
-        usage_info.completion_tokens_details = reasoning.details(
-            ch.token_ids for ch in choices.values()
-        )
-    body = ChatCompletionResponse(
-        id=job.request_id, model=state.served_name, choices=out_choices, usage=usage_info
-    )
-    return Response(body.model_dump_json(), media_type="application/json")
+        return _stream(
+            self.job, first, rest, self.num_top, req.include_usage, continuous, self.reasoning,
+            self.mode, self.parser,
+        )  # fmt: skip
 
 
 @functools.cache
@@ -148,7 +196,9 @@ async def _stream(
     reasoning: ChatReasoning | None,
     mode: ToolMode,
     parser: ToolParser,
-) -> AsyncIterator[bytes]:
+) -> AsyncIterator[ChatCompletionStreamResponse]:
+    """The chunks of a streamed chat answer; an APIError (a failure after the first output)
+    propagates to the encoder."""
     state = job.state
     tok = state.tokenizer
     head = {"id": job.request_id, "created": int(time.time()), "model": state.served_name}
@@ -165,9 +215,9 @@ async def _stream(
             )
         return info
 
-    def chunk(choice: ChatCompletionStreamChoice) -> bytes:
+    def chunk(choice: ChatCompletionStreamChoice) -> ChatCompletionStreamResponse:
         extra = {"usage": usage_now()} if continuous_usage else {}
-        return sse_event(ChatCompletionStreamResponse(**head, choices=[choice], **extra))
+        return ChatCompletionStreamResponse(**head, choices=[choice], **extra)
 
     async def all_outputs() -> AsyncIterator[tuple]:
         yield first
@@ -230,11 +280,7 @@ async def _stream(
                     )
                 )
         if include_usage:
-            yield sse_event(ChatCompletionStreamResponse(**head, choices=[], usage=usage_now()))
-        yield SSE_DONE
-    except APIError as e:
-        yield sse_error_event(e)
-        yield SSE_DONE
+            yield ChatCompletionStreamResponse(**head, choices=[], usage=usage_now())
     finally:
         with contextlib.suppress(Exception):
             await rest.aclose()  # type: ignore[attr-defined]
