@@ -169,9 +169,11 @@ def test_sigkill_of_one_replica_moves_its_waiting_requests_and_it_returns(
     try:
         with ThreadPoolExecutor(1) as pool:
             pending = pool.submit(completions, dp_server, prompts)
-            # Least load sends half of them to the stopped replica, where they wait.
+            # Least load sends some of them to the stopped replica, where they wait: half when
+            # the four arrive together, one when a busy machine staggers them and replica 0
+            # finishes each before the next comes (the full suite on 2 cores did).
             dp_server.wait_until(
-                lambda: replica_counters(dp_server).get(key, 0) >= sent_before + 2,
+                lambda: replica_counters(dp_server).get(key, 0) >= sent_before + 1,
                 "requests routed to replica 1",
                 timeout_s=60,
             )
