@@ -224,6 +224,28 @@ def test_disconnects_free_the_kv_cache(server: ServerProcess) -> None:
     _wait_metric(server, "tidal:kv_cache_usage_ratio", 0.0)
 
 
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 200}),
+        ("/v1/responses", {"input": "Hi", "max_output_tokens": 200}),
+    ],
+)  # fmt: skip
+def test_a_stream_left_midway_is_aborted_on_the_chat_routes(
+    server: ServerProcess, path: str, fields: dict
+) -> None:
+    body = {"model": "tiny", "temperature": 0, "ignore_eos": True, "stream": True, **fields}
+    before = _metrics(server).get("tidal:request_success_total{finished_reason=abort}", 0)
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.base_url + path, json=body, headers=AUTH) as r:
+            assert r.status_code == 200
+            assert next(r.iter_lines())  # the first event: the request is generating
+        # Leaving the block closes the connection mid-stream.
+    _wait_metric(server, "tidal:request_success_total{finished_reason=abort}", before + 1, 20)
+    _wait_metric(server, "tidal:num_requests_running", 0)
+    _wait_metric(server, "tidal:kv_cache_usage_ratio", 0.0)
+
+
 def test_metrics_move_after_traffic(server: ServerProcess) -> None:
     before = _metrics(server)
     _client(server).completions.create(

@@ -59,6 +59,8 @@ async def create_chat_completion(request: Request) -> Response:
 
 
 async def _chat_sse(chunks: AsyncIterator[ChatCompletionStreamResponse]) -> AsyncIterator[bytes]:
+    # A client that leaves closes this body and, at once, the chunks, which abort the engine
+    # request (not whenever the garbage collector gets to them).
     try:
         async for c in chunks:
             yield sse_event(c)
@@ -66,6 +68,8 @@ async def _chat_sse(chunks: AsyncIterator[ChatCompletionStreamResponse]) -> Asyn
     except APIError as e:
         yield sse_error_event(e)
         yield SSE_DONE
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
 
 
 async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:

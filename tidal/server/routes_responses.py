@@ -181,7 +181,17 @@ class _Shape:
     async def events(
         self, chunks: AsyncIterator[ChatCompletionStreamResponse]
     ) -> AsyncIterator[bytes]:
-        """The Responses events of a streamed chat answer."""
+        """The Responses events of a streamed chat answer. A client that leaves closes this
+        body and, at once, the chunks, which abort the engine request (as chat's _chat_sse)."""
+        try:
+            async for b in self._events(chunks):
+                yield b
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+
+    async def _events(
+        self, chunks: AsyncIterator[ChatCompletionStreamResponse]
+    ) -> AsyncIterator[bytes]:
         stream = _ItemStream(self)
         yield self._event("response.created", response=self.response("in_progress", []))
         yield self._event("response.in_progress", response=self.response("in_progress", []))
