@@ -37,6 +37,7 @@ OPERATIONS = [
     "GET /health",
     "GET /ready",
     "GET /metrics",
+    "GET /version",
 ]
 _POSTS = [op for op in OPERATIONS if op.startswith("POST")]
 

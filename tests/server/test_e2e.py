@@ -8,6 +8,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+import tidal
 from tests.server.conftest import API_KEY
 from tests.server.tiny_server import ServerProcess
 
@@ -36,6 +37,7 @@ def test_models_health_ready(server: ServerProcess) -> None:
         client.models.retrieve("nope")
     assert httpx.get(server.base_url + "/health").status_code == 200
     assert httpx.get(server.base_url + "/ready").status_code == 200
+    assert httpx.get(server.base_url + "/version").json() == {"version": tidal.__version__}
     # No server.allowed_origins: no CORS headers for a page in a browser.
     page = httpx.get(server.base_url + "/health", headers={"Origin": "http://ui.test"})
     assert "access-control-allow-origin" not in page.headers

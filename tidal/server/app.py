@@ -14,6 +14,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+import tidal
 from tidal.sampling_params import SamplingParams
 from tidal.server.errors import (
     APIError,
@@ -224,6 +225,11 @@ def build_app(state: ServerState) -> FastAPI:
         else:
             return JSONResponse({"status": "ready"})
         return Response(err.body(), err.status, err.headers, media_type="application/json")
+
+    @app.get("/version")
+    async def version() -> Response:
+        """vLLM's GET /version: which release answers (deploy scripts and dashboards ask)."""
+        return JSONResponse({"version": tidal.__version__})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -183,6 +183,7 @@ _PLAIN_GETS = {
     "/ready": "200 once warmed up and serving; 503 (not_ready) while loading, restarting or "
     "draining.",
     "/metrics": "Prometheus text exposition of every tidal:* metric.",
+    "/version": 'The release serving: {"version": "0.1.0"}.',
 }
 
 
@@ -238,7 +239,7 @@ def build_openapi(app: FastAPI) -> dict[str, Any]:
     for path, text in _PLAIN_GETS.items():
         media = "text/plain" if path == "/metrics" else "application/json"
         responses = {"200": {"description": text, "content": {media: {"schema": {}}}}}
-        if path != "/metrics":
+        if path in ("/health", "/ready"):
             responses["503"] = {"description": "Not serving; see the 200's description."}
         doc["paths"][path]["get"]["responses"] = responses
     return doc
