@@ -172,6 +172,36 @@ def test_sigkill_under_load_fails_started_and_reruns_waiting(
         server.stop()
 
 
+def test_a_responses_stream_ends_with_error_and_response_failed(
+    tiny_checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/v1/responses over a killed engine: OpenAI's failure events, then the next one runs."""
+    server = _start(tiny_checkpoint, monkeypatch, TIDAL_SERVER_WATCHDOG_TIMEOUT_S="600")
+    try:
+        server.wait_ready()
+        client = openai.OpenAI(
+            base_url=server.base_url + "/v1", api_key="none", timeout=DEADLINE_S, max_retries=0
+        )
+        body = {"model": client.models.list().data[0].id, "input": "Tide", "temperature": 0}
+        stream = client.responses.create(
+            **body, max_output_tokens=200, stream=True, extra_body={"ignore_eos": True}
+        )
+        kinds = []
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta" and len(kinds) == 5:
+                os.kill(_engine_pid(server, 0), signal.SIGKILL)  # mid-answer
+            last = event
+        assert kinds[-2:] == ["error", "response.failed"], kinds
+        assert last.response.status == "failed"
+        assert last.response.error.code == "engine_restarted"
+        server.wait_until(lambda: _ready_status(server) == 200, "/ready 200 again", DEADLINE_S)
+        again = client.responses.create(**body, max_output_tokens=4)
+        assert again.status == "incomplete" and again.usage.output_tokens == 4
+    finally:
+        server.stop()
+
+
 def _loaded_client(now: list[float]) -> SupervisedEngineClient:
     """A client whose (never started) engine loaded in 3.5 s, on the clock now[0]."""
     client = SupervisedEngineClient(
