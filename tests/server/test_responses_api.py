@@ -196,6 +196,9 @@ def test_text_format_json_schema_is_enforced(server: ServerProcess) -> None:
         ({"max_output_tokens": 10**9}, "max_output_tokens"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
+        ({"input": [{"role": "tool", "content": "x"}]}, "input[0].role"),
+        ({"input": []}, "input"),  # no turn at all
+        ({"input": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
     ],
 )  # fmt: skip
 def test_what_tidal_cannot_honour_is_a_400_naming_the_field(

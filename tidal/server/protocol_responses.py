@@ -27,11 +27,12 @@ PASSED_ON = (
     "logit_bias", "skip_special_tokens", "chat_template_kwargs", "priority", "session_id",
     "timeout_s", "queue_timeout_s", "parallel_tool_calls", "user",
 )  # fmt: skip
+# The roles of Responses messages (tool results are function_call_output items).
+_ROLES = ("user", "assistant", "system", "developer")
 # A chat error's param -> the Responses field the client sent.
 _PARAMS = {
     "max_completion_tokens": "max_output_tokens",
     "max_tokens": "max_output_tokens",
-    "messages": "input",
     "response_format": "text.format",
     "truncate_prompt_tokens": "truncation",
 }
@@ -128,7 +129,7 @@ def chat_request(
         chat["max_completion_tokens"] = req.max_output_tokens
     if req.truncation == "auto":
         chat["truncate_prompt_tokens"] = -1  # drop the oldest tokens that do not fit
-    if req.prompt_cache_key is not None and "session_id" not in chat:
+    if req.prompt_cache_key and "session_id" not in chat:
         chat["session_id"] = req.prompt_cache_key[:256]
     if req.tools:
         chat["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
@@ -147,13 +148,15 @@ def renamed(err: APIError) -> APIError:
     """A chat error as the Responses request's: its param named as the client sent it."""
     if err.param is None:
         return err
+    if err.param.startswith("messages"):  # input and instructions, as chat turns
+        return APIError(err.status, err.message, err.type, "input", err.code, err.headers)
     head, _, rest = err.param.partition(".")
     name = _PARAMS.get(err.param) or _PARAMS.get(head)
     if name is None:
         return err
     param = name if err.param in _PARAMS or not rest else f"{name}.{rest}"
-    return APIError(err.status, err.message.replace(err.param, param), "invalid_request_error",
-                    param, err.code, err.headers)  # fmt: skip
+    message = err.message.replace(err.param, param)
+    return APIError(err.status, message, err.type, param, err.code, err.headers)
 
 
 def messages(req: ResponsesRequest) -> list[dict[str, Any]]:
@@ -171,7 +174,12 @@ def messages(req: ResponsesRequest) -> list[dict[str, Any]]:
             raise bad_request(f"input[{i}].type must be a string", f"input[{i}].type")
         where = f"input[{i}]"
         if kind == "message":
-            msg = {"role": item.get("role"), "content": _text(item.get("content"), where)}
+            if item.get("role") not in _ROLES:
+                raise bad_request(
+                    f"{where}.role is {item.get('role')!r}: expected one of {', '.join(_ROLES)}",
+                    f"{where}.role",
+                )
+            msg = {"role": item["role"], "content": _text(item.get("content"), where)}
             if msg["role"] == "assistant" and reasoning is not None:
                 msg["reasoning_content"], reasoning = reasoning, None
             out.append(msg)
