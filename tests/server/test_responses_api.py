@@ -220,3 +220,15 @@ def test_the_route_has_the_other_routes_guards(server: ServerProcess) -> None:
         timeout=30,
     )
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
+
+
+def test_retrieving_a_response_says_none_are_stored(server: ServerProcess) -> None:
+    c = _client(server)
+    resp = c.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
+    assert resp.store is False
+    for call in (c.responses.retrieve, c.responses.delete, c.responses.cancel):
+        with pytest.raises(openai.NotFoundError, match="stores no responses"):
+            call(resp.id)
+    with pytest.raises(openai.NotFoundError, match="stores no responses"):
+        c.responses.input_items.list(resp.id)
+    assert httpx.get(server.base_url + f"/v1/responses/{resp.id}").status_code == 401  # no key

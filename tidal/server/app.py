@@ -38,7 +38,7 @@ from tidal.server.protocol import (
 from tidal.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse
 from tidal.server.routes_chat import create_chat_completion
 from tidal.server.routes_completions import create_completion
-from tidal.server.routes_responses import create_response
+from tidal.server.routes_responses import create_response, stored_response
 from tidal.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,12 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_api_route("/v1/completions", create_completion, methods=["POST"])
     app.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"])
     app.add_api_route("/v1/responses", create_response, methods=["POST"])
+    for path in ("/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"):
+        app.add_api_route(path, stored_response, methods=["GET", "DELETE"], include_in_schema=False)
+    app.add_api_route(
+        "/v1/responses/{response_id}/cancel", stored_response, methods=["POST"],
+        include_in_schema=False,
+    )  # fmt: skip
 
     def model_card() -> ModelCard:
         return ModelCard(

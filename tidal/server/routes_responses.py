@@ -22,7 +22,7 @@ from starlette.responses import Response, StreamingResponse
 
 from tidal.config.cache import CacheConfig
 from tidal.server.errors import APIError
-from tidal.server.guards import admit
+from tidal.server.guards import admit, check_auth, state_of
 from tidal.server.protocol import decode_json, parse_request
 from tidal.server.protocol_responses import ResponsesRequest, chat_request, renamed
 from tidal.server.responses import ChatCompletionStreamResponse, ChatResponseMessage, UsageInfo
@@ -62,6 +62,20 @@ async def create_response(request: Request) -> Response:
     items = _items(choice.message, choice.finish_reason)
     body = shape.response(_status(choice.finish_reason), items, out.usage)
     return Response(_dumps(body), media_type="application/json")
+
+
+async def stored_response(request: Request) -> Response:
+    """GET/DELETE /v1/responses/{id}, its cancel and input_items: 404 that says why (after the
+    key check, as every /v1 route): tidal keeps no responses."""
+    check_auth(request, state_of(request))
+    raise APIError(
+        404,
+        f"No response {request.path_params['response_id']!r}: tidal stores no responses (store "
+        "is answered false); keep the output you received and send the whole conversation.",
+        "invalid_request_error",
+        "response_id",
+        "not_found",
+    )
 
 
 def _dumps(obj: object) -> str:
