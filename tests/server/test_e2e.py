@@ -43,6 +43,17 @@ def test_models_health_ready(server: ServerProcess) -> None:
     assert "access-control-allow-origin" not in page.headers
 
 
+def test_each_finished_request_is_one_log_line(server: ServerProcess) -> None:
+    out = _client(server).completions.create(
+        model=MODEL, prompt="Log me", max_tokens=5, n=2, temperature=0, extra_body={"ignore_eos": True}
+    )  # fmt: skip
+    line = f"request {out.id}-0: length; prompt {out.usage.prompt_tokens} tokens ("
+    server.wait_until(lambda: line in server.log, "the request's log line", 30)
+    logged = next(entry for entry in server.log.splitlines() if line in entry)
+    assert "cached), 10 output; queued " in logged and "first token" in logged
+    assert "Log me" not in logged  # counts and timings, never the text
+
+
 def test_completion_stream_equals_non_stream(server: ServerProcess) -> None:
     client = _client(server)
     full = _greedy_completion(client, "Hello there", max_tokens=10)

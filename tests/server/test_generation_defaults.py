@@ -88,12 +88,13 @@ def test_completions_keep_openai_16_unless_the_limit_is_null(server: ServerProce
 
 def test_generation_config_none_keeps_openai_defaults(checkpoint: Path) -> None:
     args = ["--model", str(checkpoint), "--kv-cache-bytes", KV_BYTES, "--no-warmup"]
-    for srv in serve([*args, "--generation-config", "none"]):
+    for srv in serve([*args, "--generation-config", "none", "--no-log-requests"]):
         c = _client(srv)
         model = c.models.list().data[0].id
         out = c.chat.completions.create(model=model, messages=USER, max_tokens=40, extra_body=ALL)
         assert out.usage.completion_tokens == 40  # no recommended 6
         assert "requests that leave them unset" not in srv.log
+        assert "tidal.server.requests" not in srv.log  # server.log_requests false
 
 
 def test_a_bad_recommendation_stops_the_server_naming_it(tmp_path: Path) -> None:

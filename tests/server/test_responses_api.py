@@ -226,6 +226,8 @@ def test_retrieving_a_response_says_none_are_stored(server: ServerProcess) -> No
     c = _client(server)
     resp = c.responses.create(model=MODEL, input="Hi", max_output_tokens=2)
     assert resp.store is False
+    # the request log names the response by the id its client got
+    server.wait_until(lambda: f"request {resp.id}-0: length" in server.log, "its log line", 30)
     for call in (c.responses.retrieve, c.responses.delete, c.responses.cancel):
         with pytest.raises(openai.NotFoundError, match="stores no responses"):
             call(resp.id)

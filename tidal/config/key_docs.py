@@ -288,6 +288,12 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "SSE comment this often while a streamed request waits in the queue; 0: none",
         "--sse-keepalive-s",
     ),
+    "server.log_requests": KeyDoc(
+        "log one line per finished request: finish reason, prompt/cached/output tokens, queue "
+        "time, first-token time, total time and decode rate (no prompt or output text)",
+        "--log-requests",
+        aliases=("--enable-log-requests",),
+    ),
     "server.chat_template": KeyDoc(
         "a Jinja chat template file (or the template text) that renders chat requests instead of "
         "the checkpoint's; null: the checkpoint's own",

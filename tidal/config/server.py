@@ -64,6 +64,9 @@ class ServerConfig:
     # While a streamed request waits in the queue, send an SSE comment this often so clients and
     # proxies do not time the connection out; 0 sends none (the first byte waits for a token).
     sse_keepalive_s: float = 10.0
+    # One log line per finished engine request: its finish, token counts and timings (never the
+    # prompt or output text), as TGI and llama.cpp log each request.
+    log_requests: bool = True
     # Split <think>...</think> out of chat completions into `reasoning_content`: one of
     # REASONING_PARSERS; "auto" picks deepseek_r1 or qwen3 when the chat template names a think
     # tag.

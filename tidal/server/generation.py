@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -37,6 +38,10 @@ _T = TypeVar("_T")
 
 class ClientGone(Exception):
     """The client disconnected before the response was ready; nothing is sent."""
+
+
+# One line per finished engine request (server.log_requests): `tidal.server.requests`
+request_log = logging.getLogger("tidal.server.requests")
 
 
 def effective_timeout_s(requested_s: float | None, server_s: float | None) -> float | None:
@@ -129,6 +134,12 @@ class GenerationJob:
         out_q: asyncio.Queue = asyncio.Queue()
         ids = [f"{self.request_id}-{i}" for i in range(len(self.inputs))]
         trackers = [state.metrics.track() for _ in self.inputs]
+
+        def finished(i: int, reason: str) -> None:
+            trackers[i].finish(reason)
+            if state.config.server.log_requests:
+                request_log.info("request %s: %s", ids[i], trackers[i].describe(reason))
+
         running: set[int] = set()  # prompts submitted and not yet finished or failed
         loop = asyncio.get_running_loop()
         started_s = loop.time()
@@ -155,7 +166,7 @@ class GenerationJob:
                 except (ValueError, EngineError) as e:
                     err, reason = self._error(e)
                     if reason is not None:
-                        trackers[i].finish(reason)
+                        finished(i, reason)
                     raise err from None
                 running.add(i)
             while running:
@@ -174,12 +185,12 @@ class GenerationJob:
                     running.discard(i)
                     err, reason = self._error(item)
                     if reason is not None:
-                        trackers[i].finish(reason)
+                        finished(i, reason)
                     raise err
                 trackers[i].update(item)
                 if item.finished:
                     running.discard(i)
-                    trackers[i].finish(item.outputs[0].finish_reason or "stop")
+                    finished(i, item.outputs[0].finish_reason or "stop")
                     if self._queue_expired(item, started_s):
                         raise queue_timeout(self.queue_timeout_s or 0.0, retry_after_s(state))
                 if i in held:
@@ -193,7 +204,7 @@ class GenerationJob:
         finally:
             for i in running:
                 engine.cancel(ids[i])
-                trackers[i].finish("abort")
+                finished(i, "abort")
 
 
 def merge_deltas(a: RequestDelta, b: RequestDelta) -> RequestDelta:

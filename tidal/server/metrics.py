@@ -15,7 +15,7 @@ from prometheus_client import (
 )
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tidal.engine.output import RequestDelta
+from tidal.engine.output import RequestDelta, RequestMetrics
 from tidal.engine.stats import StepStats
 from tidal.server.replica_metrics import ReplicaMetrics
 
@@ -166,15 +166,25 @@ class RequestTracker:
         self._last_token_time_s: float | None = None
         self._seen_first = False
         self._counted_prompt = False
+        # For the request's log line: its counts and, once finished, the engine's timings
+        self.num_prompt_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_output_tokens = 0  # every choice's
+        self.final: RequestMetrics | None = None
 
     def update(self, out: RequestDelta) -> None:
         m = self.m
         num_new = sum(len(c.token_ids) for c in out.outputs)
+        self.num_output_tokens += num_new
         if num_new:
             m.generation_tokens.inc(num_new)
         if not self._counted_prompt:
             self._counted_prompt = True
             m.prompt_tokens.inc(out.num_prompt_tokens)
+            self.num_prompt_tokens = out.num_prompt_tokens
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.finished:
+            self.final = out.metrics
         # A delta carries metrics until its first token and when finished (RequestDelta).
         t = out.metrics
         if not self._seen_first and t is not None and t.first_token_time_s is not None:
@@ -200,3 +210,26 @@ class RequestTracker:
 
     def finish(self, reason: str) -> None:
         self.m.success.labels(finished_reason=reason).inc()
+
+    def describe(self, reason: str) -> str:
+        """The request's log line after its id: finish, tokens, then the engine's timings
+        (those a finished request carries; an aborted or failed one has counts only)."""
+        text = (
+            f"{reason}; prompt {self.num_prompt_tokens} tokens ({self.num_cached_tokens} cached),"
+            f" {self.num_output_tokens} output"
+        )
+        t = self.final
+        if t is None or t.finished_time_s is None:
+            return text
+        parts = []
+        if t.first_scheduled_time_s is not None:
+            parts.append(f"queued {t.first_scheduled_time_s - t.arrival_time_s:.3f} s")
+        if t.first_token_time_s is not None:
+            parts.append(f"first token {t.first_token_time_s - t.arrival_time_s:.3f} s")
+        parts.append(f"total {t.finished_time_s - t.arrival_time_s:.3f} s")
+        after = (t.last_token_time_s or 0.0) - (t.first_token_time_s or 0.0)
+        if t.num_generation_tokens > 1 and after > 0:
+            parts.append(f"{(t.num_generation_tokens - 1) / after:.1f} tok/s after the first")
+        if t.num_preemptions:
+            parts.append(f"{t.num_preemptions} preemptions")
+        return f"{text}; {', '.join(parts)}"

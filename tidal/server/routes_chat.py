@@ -72,9 +72,12 @@ async def _chat_sse(chunks: AsyncIterator[ChatCompletionStreamResponse]) -> Asyn
         await chunks.aclose()  # type: ignore[attr-defined]
 
 
-async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
+async def start_chat(
+    state: ServerState, req: ChatCompletionRequest, request_id: str | None = None
+) -> ChatRun:
     """Everything up to generation: sampling params, the rendered and checked prompt, the job.
-    Raises the request's 400s; /v1/responses runs its requests through here too."""
+    Raises the request's 400s; /v1/responses runs its requests through here too (with its own
+    id, which the request log then shows)."""
     params = req.to_sampling_params(state.sampling_defaults)
     mode = req.tool_mode()
     parser = parser_for(state.config.server.tool_call_parser, state.tokenizer.family)
@@ -89,7 +92,7 @@ async def start_chat(state: ServerState, req: ChatCompletionRequest) -> ChatRun:
     check_request_size(params, [len(inp.token_ids)], state.limits, state.config.server, param)
     job = GenerationJob(
         state,
-        random_id("chatcmpl"),
+        request_id or random_id("chatcmpl"),
         [inp],
         params,
         priority=req.priority or 0,

@@ -49,11 +49,12 @@ async def create_response(request: Request) -> Response:
     state, parsed = await admit(request, _parse)
     req = parsed.req
     chat = chat_request(req, parsed.body, bool(req.stream))
+    shape_id = _id("resp")
     try:
-        run = await start_chat(state, chat)
+        run = await start_chat(state, chat, shape_id)
     except APIError as e:
         raise renamed(e) from None
-    shape = _Shape(req, run, state.served_name)
+    shape = _Shape(req, run, state.served_name, id=shape_id)
     if req.stream:
         body = await run.stream(shape.events)
         return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
