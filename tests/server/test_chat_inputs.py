@@ -107,3 +107,26 @@ def test_a_request_names_a_chat_template_but_cannot_send_one(tiny_checkpoint) ->
         with pytest.raises(APIError) as info:
             chat_input(parse_request(ChatCompletionRequest, body), tok, limits)
         assert info.value.param == "chat_template" and "template text" in info.value.message
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_elsewhere(
+    tiny_checkpoint,
+) -> None:
+    tok = load_tokenizer(tiny_checkpoint)
+    limits = PromptLimits(512, tok.vocab_size, 500, False)
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(APIError) as info:  # Gemma's template reads no effort
+        chat_input(
+            parse_request(ChatCompletionRequest, {**base, "reasoning_effort": "low"}), tok, limits
+        )
+    assert info.value.param == "reasoning_effort" and "enable_thinking" in info.value.message
+    # One that does (as gpt-oss's): the effort is in the prompt; the char-level vocabulary
+    # makes "high" one token longer than "low".
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}effort:{{ reasoning_effort }}"
+    )
+    lengths = [
+        len(chat_input(parse_request(ChatCompletionRequest, {**base, "reasoning_effort": e}), tok, limits).token_ids)
+        for e in ("low", "high")
+    ]  # fmt: skip
+    assert lengths[1] == lengths[0] + 1

@@ -108,6 +108,25 @@ def test_sessions_stay_on_their_replica_and_hit_its_cache(dp_server: ServerProce
     assert sorted(set(home.values())) == ["0", "1"]  # the sessions were spread over both
 
 
+def test_openai_prompt_cache_key_routes_as_a_session(dp_server: ServerProcess) -> None:
+    messages = [{"role": "user", "content": "9 Where does the tide go, in some detail?"}]
+    c = client(dp_server)
+    for turn in range(2):
+        before = replica_counters(dp_server)
+        r = c.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=6, temperature=0, prompt_cache_key="chat-9"
+        )
+        after = replica_counters(dp_server)
+        replica, _ = served_by(before, after)
+        if turn == 1:  # the key's second request goes home as a session's does
+            key = ("tidal:router_decisions_total:session", replica)
+            assert after[key] == before.get(key, 0) + 1
+        messages += [
+            {"role": "assistant", "content": r.choices[0].message.content or ""},
+            {"role": "user", "content": "And then?"},
+        ]
+
+
 def test_shared_system_prompt_is_routed_where_it_is_cached(dp_server: ServerProcess) -> None:
     system = {"role": "system", "content": "You are a harbour master. " * 6}  # ~10 blocks
     before = replica_counters(dp_server)

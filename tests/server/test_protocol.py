@@ -247,6 +247,10 @@ USER = [{"role": "user", "content": "x"}]
         (CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "must be -1"),
         (ChatCompletionRequest, {"messages": USER, "echo": True}, "echo", "new message only"),
         (ChatCompletionRequest, {"messages": USER, "functions": [{"name": "f"}]}, "functions", "send tools"),
+        (ChatCompletionRequest, {"messages": USER, "web_search_options": {}}, "web_search_options", "tidal searches nothing"),
+        (ChatCompletionRequest, {"messages": USER, "store": True}, "store", "stores no completions"),
+        (ChatCompletionRequest, {"messages": USER, "verbosity": "low"}, "verbosity", "max_completion_tokens"),
+        (ChatCompletionRequest, {"messages": USER, "service_tier": "flex"}, "service_tier", "send priority"),
         (CompletionRequest, {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "unless it equals n"),
         (CompletionRequest, {"prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids", "token ids >= 0"),
         (CompletionRequest, {"prompt": "x", "stop": ["s"] * 65}, "stop", "at most 64 stop strings of at most 1024"),
@@ -271,6 +275,10 @@ def test_unserved_fields_at_their_defaults_are_accepted() -> None:
     parse_request(
         CompletionRequest, {"prompt": "x", "length_penalty": 1, "return_token_ids": False}
     )
+    # OpenAI's defaults written out: no store, medium verbosity, the auto or default tier
+    openai_defaults = {"store": False, "verbosity": "medium", "service_tier": "auto"}
+    parse_request(ChatCompletionRequest, {"messages": USER, **openai_defaults})
+    parse_request(ChatCompletionRequest, {"messages": USER, "service_tier": "default"})
 
 
 @pytest.mark.parametrize(

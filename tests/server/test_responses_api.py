@@ -190,7 +190,8 @@ def test_text_format_json_schema_is_enforced(server: ServerProcess) -> None:
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0].type"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
-        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # the template reads none
+        ({"reasoning": {"summary": "auto"}}, "reasoning"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
         ({"max_output_tokens": 10**9}, "max_output_tokens"),

@@ -128,6 +128,9 @@ def _render(
         extra["chat_template"] = req.chat_template
     if "chat_template" in extra:
         extra["chat_template"] = _named_template(extra["chat_template"], tokenizer)
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:
+        extra["reasoning_effort"] = _reasoning_effort(effort, extra.get("chat_template"), tokenizer)
     cont = bool(req.continue_final_message)
     tools = list(mode.tools) if mode is not None and mode.tools else None
     messages = plain_tool_turns(messages, getattr(tokenizer, "chat_template", None))
@@ -145,6 +148,22 @@ def _render(
     if cont and messages and messages[-1]["role"] == "assistant":
         text = _cut_after_final_message(text, str(messages[-1].get("content") or ""))
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _reasoning_effort(effort: str, name: str | None, tokenizer) -> str:
+    """A request's reasoning_effort, for a template that reads it (vLLM passes it the same
+    way); a 400 where the template never looks at it, rather than an effort silently lost."""
+    named = getattr(tokenizer, "named_chat_templates", {})
+    template = named.get(name) if name not in (None, "default") else tokenizer.chat_template
+    if "reasoning_effort" not in (template or ""):
+        raise bad_request(
+            "Invalid value for 'reasoning_effort': this model's chat template takes no reasoning "
+            "effort (a template's own switches go in chat_template_kwargs, e.g. Qwen3's "
+            '{"enable_thinking": false})',
+            "reasoning_effort",
+            "invalid_value",
+        )
+    return effort
 
 
 def _named_template(name: object, tokenizer) -> str:

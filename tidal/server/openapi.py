@@ -125,7 +125,15 @@ _SAMPLING: dict[str, dict[str, Any]] = {
 
 def _asks_nothing(table: dict[str, tuple[Any, str]]) -> dict[str, dict[str, Any]]:
     """Fields refused unless they ask for nothing (server/unserved.py): null or their default."""
-    return {name: {"anyOf": [{"type": "null"}, {"const": d}]} for name, (d, _) in table.items()}
+    return {
+        name: {
+            "anyOf": [
+                {"type": "null"},
+                {"enum": sorted(d)} if isinstance(d, frozenset) else {"const": d},
+            ]
+        }
+        for name, (d, _) in table.items()
+    }
 
 
 _SAMPLING.update(_asks_nothing(UNSERVED))

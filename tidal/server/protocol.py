@@ -373,9 +373,17 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # one of the checkpoint's named templates (inputs.py)
+    # Passed to the chat template where it reads it (gpt-oss's do); refused where not (inputs.py)
+    reasoning_effort: str | None = None
+    # OpenAI's prefix-cache hint: a session_id when the request sends none (routes_chat.py)
+    prompt_cache_key: str | None = None
     # Output kinds: text is all a language model here writes.
     modalities: list[str] | None = None
     audio: Any = None  # and the rest: refused when set (CHAT_UNSERVED)
+    web_search_options: Any = None
+    store: Any = None
+    verbosity: Any = None
+    service_tier: Any = None
     echo: Any = None
     documents: Any = None
     functions: Any = None

@@ -7,8 +7,8 @@ request path, with its templates, tool parsers, reasoning parsers, grammars and 
 
 Nothing is stored: `store` is answered false, and what needs a stored response
 (`previous_response_id`, `background`, item references) is refused with a 400, as is any tool
-type but `function` and any input part but text. `prompt_cache_key` becomes chat's
-`session_id`: the prefix cache keeps the conversation's turns (what OpenAI's key is for).
+type but `function` and any input part but text. `prompt_cache_key` is chat's
+too: a session_id, so the prefix cache keeps the conversation's turns (what OpenAI's key is for).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ PASSED_ON = (
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
     "logit_bias", "skip_special_tokens", "chat_template_kwargs", "priority", "session_id",
-    "timeout_s", "queue_timeout_s", "parallel_tool_calls", "user",
+    "timeout_s", "queue_timeout_s", "parallel_tool_calls", "user", "prompt_cache_key",
 )  # fmt: skip
 # The roles of Responses messages (tool results are function_call_output items).
 _ROLES = ("user", "assistant", "system", "developer")
@@ -35,6 +35,7 @@ _PARAMS = {
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
     "truncate_prompt_tokens": "truncation",
+    "reasoning_effort": "reasoning.effort",
 }
 
 
@@ -99,10 +100,10 @@ class ResponsesRequest(_Body):
     @field_validator("reasoning")
     @classmethod
     def _reasoning(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and any(v.get(k) is not None for k in ("effort", "summary", "generate_summary")):
+        if v and any(v.get(k) is not None for k in ("summary", "generate_summary")):
             raise ValueError(
-                "reasoning effort and summaries are not supported: a reasoning model's thought "
-                "comes back whole as a reasoning item"
+                "reasoning summaries are not supported: a reasoning model's thought comes back "
+                "whole as a reasoning item"
             )
         return v
 
@@ -129,8 +130,8 @@ def chat_request(
         chat["max_completion_tokens"] = req.max_output_tokens
     if req.truncation == "auto":
         chat["truncate_prompt_tokens"] = -1  # drop the oldest tokens that do not fit
-    if req.prompt_cache_key and "session_id" not in chat:
-        chat["session_id"] = req.prompt_cache_key[:256]
+    if req.reasoning and req.reasoning.get("effort") is not None:
+        chat["reasoning_effort"] = req.reasoning["effort"]  # for a template that reads it
     if req.tools:
         chat["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
     if req.tool_choice is not None:

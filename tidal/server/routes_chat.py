@@ -90,13 +90,16 @@ async def start_chat(
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     check_max_tokens(params, len(inp.token_ids), state.limits, param)
     check_request_size(params, [len(inp.token_ids)], state.limits, state.config.server, param)
+    # OpenAI's prompt_cache_key asks for what session_id gives: the conversation kept cached
+    key = req.prompt_cache_key
+    session = req.session_id or (key[:256] if key else None)
     job = GenerationJob(
         state,
         request_id or random_id("chatcmpl"),
         [inp],
         params,
         priority=req.priority or 0,
-        session_id=req.session_id,
+        session_id=session,
         timeout_s=effective_timeout_s(req.timeout_s, state.config.server.request_timeout_s),
         queue_timeout_s=effective_timeout_s(
             req.queue_timeout_s, state.config.server.queue_timeout_s

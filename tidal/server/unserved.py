@@ -25,6 +25,19 @@ UNSERVED: dict[str, tuple[Any, str]] = {
 
 CHAT_UNSERVED: dict[str, tuple[Any, str]] = {
     "audio": (None, "tidal writes text only"),
+    "web_search_options": (
+        None,
+        "tidal searches nothing: put what the model should read in the messages",
+    ),
+    "store": (False, "tidal stores no completions"),
+    "verbosity": (
+        frozenset({"medium"}),
+        "the model's length follows max_completion_tokens and the messages",
+    ),
+    "service_tier": (
+        frozenset({"auto", "default"}),
+        "every request runs at one tier here: send priority",
+    ),
     "echo": (False, "the reply holds the new message only"),
     "documents": (None, "pass documents in the messages"),
     "functions": (None, "the legacy functions field is not read: send tools"),
@@ -33,7 +46,9 @@ CHAT_UNSERVED: dict[str, tuple[Any, str]] = {
 
 
 def unless_default(table: dict[str, tuple[Any, str]], v: Any, info: ValidationInfo) -> Any:
+    """`v` when it asks for nothing: null, the default, or one of a frozenset of defaults."""
     default, why = table[info.field_name]
-    if v is not None and v != default:
+    fine = v in default if isinstance(default, frozenset) else v == default
+    if v is not None and not fine:
         raise ValueError(f"not supported ({why})")
     return v
