@@ -18,10 +18,12 @@ from tidal.server.errors import APIError, from_validation_error, invalid_api_key
 from tidal.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    parse_request,
+)
+from tidal.server.protocol_tokenize import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    parse_request,
     parse_tokenize_request,
 )
 from tidal.server.responses import (

@@ -30,9 +30,11 @@ from tidal.server.inputs import chat_tokens
 from tidal.server.metrics import CONTENT_TYPE
 from tidal.server.openapi import serve_openapi
 from tidal.server.protocol import (
+    parse_request,
+)
+from tidal.server.protocol_tokenize import (
     DetokenizeRequest,
     TokenizeChatRequest,
-    parse_request,
     parse_tokenize_request,
 )
 from tidal.server.responses import DetokenizeResponse, ModelCard, ModelList, TokenizeResponse

@@ -13,6 +13,8 @@ from tidal.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+)
+from tidal.server.protocol_tokenize import (
     TokenizeChatRequest,
 )
 from tidal.server.tools import (

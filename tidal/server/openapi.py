@@ -15,11 +15,13 @@ from tidal.server.protocol import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
     CompletionRequest,
+)
+from tidal.server.protocol_responses import ResponsesRequest
+from tidal.server.protocol_tokenize import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from tidal.server.protocol_responses import ResponsesRequest
 from tidal.server.responses import (
     ChatCompletionResponse,
     CompletionResponse,
