@@ -406,3 +406,29 @@ def test_tokenize_and_detokenize_bodies() -> None:
     with pytest.raises(APIError) as info:
         parse_request(DetokenizeRequest, {"tokens": [1, -1]})
     assert info.value.param == "tokens"
+
+
+def test_fields_tidal_does_not_read_are_logged_once_by_name(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tidal.server.protocol as protocol
+    from tidal.server.protocol_responses import PASSED_ON, ResponsesRequest
+
+    monkeypatch.setattr(protocol, "_REPORTED", set())
+    body = {"messages": USER, "prediction": {"type": "content"}, "top_a": 0.2}
+    with caplog.at_level("WARNING", logger="tidal.server.protocol"):
+        parse_request(ChatCompletionRequest, body)
+        parse_request(ChatCompletionRequest, body)  # the same names again: not repeated
+        # a Responses body's chat fields are read (passed on), not ignored
+        parse_request(ResponsesRequest, {"input": "x", "top_k": 5, "stop": ["."]}, PASSED_ON)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1, lines
+    assert "ChatCompletionRequest" in lines[0] and "'prediction', 'top_a'" in lines[0]
+    # bounded: a client inventing names cannot grow the log or the set without end
+    monkeypatch.setattr(protocol, "MAX_REPORTED", 3)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tidal.server.protocol"):
+        for k in range(10):
+            parse_request(CompletionRequest, {"prompt": "x", f"junk{k}": 1})
+    assert len(protocol._REPORTED) == 3 and len(caplog.records) == 1
+    assert "no further ones are reported" in caplog.records[0].getMessage()

@@ -18,6 +18,7 @@ Ranges are checked once, by SamplingParams; `to_sampling_params` names the reque
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
@@ -30,6 +31,8 @@ from tidal.server.structured import extra_specs, one_spec, response_format_spec
 from tidal.server.tools import ToolMode, check_tools, forced_spec, tool_mode
 from tidal.server.unserved import CHAT_UNSERVED, UNSERVED, unless_default
 
+log = logging.getLogger(__name__)
+
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
 
@@ -41,6 +44,13 @@ def _given(value: Any, default: Any) -> Any:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class _Request(_Body):
+    """A whole request body: fields tidal does not read are kept aside (not ignored unseen),
+    so parse_request can say which ones a client sends in vain, as vLLM warns of them."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Body):
@@ -62,7 +72,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 
 
-class _SamplingRequest(_Body):
+class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the only served model
@@ -444,14 +454,44 @@ class ChatCompletionRequest(_SamplingRequest):
 _T = TypeVar("_T", bound=BaseModel)
 
 
-def parse_request(cls: type[_T], body: bytes | str | object) -> _T:
-    """Validate a raw JSON body (bytes/str) or decoded JSON into `cls`; errors become a 400 APIError."""
+def parse_request(
+    cls: type[_T], body: bytes | str | object, read: frozenset[str] = frozenset()
+) -> _T:
+    """Validate a raw JSON body (bytes/str) or decoded JSON into `cls`; errors become a 400 APIError.
+    Fields of the body that tidal does not read (`cls` has no such field and `read` does not
+    name it) are logged, each name once (report_ignored)."""
     try:
         if isinstance(body, bytes | str):
-            return cls.model_validate_json(body)
-        return cls.model_validate(body)
+            req = cls.model_validate_json(body)
+        else:
+            req = cls.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e) from None
+    extra = req.model_extra
+    if extra and any(name not in read for name in extra):
+        report_ignored(cls.__name__, [name for name in extra if name not in read])
+    return req
+
+
+# Field names already reported, and how many at most: random names from one client must not
+# grow this set or the log without bound.
+_REPORTED: set[tuple[str, str]] = set()
+MAX_REPORTED = 256
+
+
+def report_ignored(kind: str, extra: list[str]) -> None:
+    """Log once per (request kind, field) the fields a request sent that tidal does not read:
+    an operator sees why a client's option changes nothing (vLLM warns of them per request)."""
+    if len(_REPORTED) >= MAX_REPORTED:
+        return
+    new = [name for name in extra if (kind, name) not in _REPORTED][: MAX_REPORTED - len(_REPORTED)]
+    if not new:
+        return
+    _REPORTED.update((kind, name) for name in new)
+    shown = ", ".join(repr(name[:64]) for name in new)
+    tail = "; no further ones are reported" if len(_REPORTED) >= MAX_REPORTED else ""
+    log.warning("%s fields tidal does not read, ignored: %s (each name is reported once%s)",
+                kind, shown, tail)  # fmt: skip
 
 
 def decode_json(body: bytes | str) -> Any:

@@ -18,15 +18,15 @@ from typing import Any, Literal
 from pydantic import field_validator
 
 from tidal.server.errors import APIError, bad_request
-from tidal.server.protocol import ChatCompletionRequest, _Body, parse_request
+from tidal.server.protocol import ChatCompletionRequest, _Request, parse_request
 
 # Chat fields a Responses body may carry too (vLLM's sampling extensions, tidal's own): passed on.
-PASSED_ON = (
+PASSED_ON = frozenset({
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
     "logit_bias", "skip_special_tokens", "chat_template_kwargs", "priority", "session_id",
     "timeout_s", "queue_timeout_s", "parallel_tool_calls", "user", "prompt_cache_key",
-)  # fmt: skip
+})  # fmt: skip
 # The roles of Responses messages (tool results are function_call_output items).
 _ROLES = ("user", "assistant", "system", "developer")
 # A chat error's param -> the Responses field the client sent.
@@ -39,7 +39,7 @@ _PARAMS = {
 }
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(_Request):
     """The fields tidal serves; others are ignored, as chat ignores unknown fields."""
 
     model: str | None = None

@@ -8,8 +8,8 @@ from pydantic import field_validator
 
 from tidal.server.protocol import (
     ChatMessage,
-    _Body,
     _check_messages,
+    _Request,
     _token_ids,
     decode_json,
     parse_request,
@@ -17,7 +17,7 @@ from tidal.server.protocol import (
 from tidal.server.tools import check_tools
 
 
-class TokenizeCompletionRequest(_Body):
+class TokenizeCompletionRequest(_Request):
     """POST /tokenize with a prompt (vLLM's shape)."""
 
     model: str | None = None
@@ -26,7 +26,7 @@ class TokenizeCompletionRequest(_Body):
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(_Body):
+class TokenizeChatRequest(_Request):
     """POST /tokenize with messages, rendered through the chat template first."""
 
     model: str | None = None
@@ -50,7 +50,7 @@ class TokenizeChatRequest(_Body):
         return check_tools(v)
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(_Request):
     """POST /detokenize."""
 
     model: str | None = None

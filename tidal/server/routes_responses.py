@@ -24,7 +24,7 @@ from tidal.config.cache import CacheConfig
 from tidal.server.errors import APIError
 from tidal.server.guards import admit, check_auth, state_of
 from tidal.server.protocol import decode_json, parse_request
-from tidal.server.protocol_responses import ResponsesRequest, chat_request, renamed
+from tidal.server.protocol_responses import PASSED_ON, ResponsesRequest, chat_request, renamed
 from tidal.server.responses import ChatCompletionStreamResponse, ChatResponseMessage, UsageInfo
 from tidal.server.routes_chat import ChatRun, start_chat
 from tidal.server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
@@ -42,7 +42,8 @@ class _Parsed:
 
 def _parse(raw: bytes) -> _Parsed:
     body = decode_json(raw)
-    return _Parsed(parse_request(ResponsesRequest, body), body if isinstance(body, dict) else {})
+    req = parse_request(ResponsesRequest, body, PASSED_ON)  # chat's fields: read, not ignored
+    return _Parsed(req, body if isinstance(body, dict) else {})
 
 
 async def create_response(request: Request) -> Response:
