@@ -137,3 +137,16 @@ def test_llm_chat_continues_a_message_and_passes_template_kwargs(llm: LLM) -> No
     assert kw.prompt_token_ids == tok.encode("user: hi\nbot:!", add_special_tokens=False)
     with pytest.raises(ValueError, match="assistant message last"):
         llm.chat(turns[:1], params, continue_final_message=True)
+
+
+def test_llm_chat_passes_tools_to_a_template_that_lists_them(llm: LLM) -> None:
+    tok = llm.get_tokenizer()
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    tools = [{"type": "function", "function": {"name": "tide", "parameters": {"type": "object"}}}]
+    listing = "{% for t in tools %}tool {{ t.function.name }}\n{% endfor %}" + TEMPLATE
+    out = llm.chat([{"role": "user", "content": "hi"}], params, chat_template=listing, tools=tools)
+    assert out[0].prompt_token_ids == tok.encode(
+        "tool tide\nuser: hi\nbot:", add_special_tokens=False
+    )
+    with pytest.raises(ValueError, match="never reads them"):  # not silently left out
+        llm.chat([{"role": "user", "content": "hi"}], params, chat_template=TEMPLATE, tools=tools)

@@ -154,6 +154,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or several, then generate.
@@ -161,16 +162,25 @@ class LLM:
         As vLLM's: `chat_template` is template text to render with instead (or the name of one
         of the checkpoint's templates, "tool_use", ...); `continue_final_message` continues the
         last (assistant) message instead of starting a new one (no generation prompt then);
-        `chat_template_kwargs` go to the template."""
+        `chat_template_kwargs` go to the template, and so do `tools` (OpenAI's function tools,
+        for a template that lists them; one that never reads them is a ValueError, not tools
+        silently left out). The reply is the model's text: calls are not parsed out of it."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
+        extra = dict(chat_template_kwargs or {})
+        if tools is not None:
+            named = getattr(tok, "named_chat_templates", {})
+            used = tok.chat_template if chat_template in (None, "default") else chat_template
+            if "tools" not in (named.get(used, used) or ""):
+                raise ValueError("tools: this chat template never reads them (name one that does)")
+            extra["tools"] = tools
         ids = []
         for conv in (normalize_messages(list(c)) for c in convs):
             text = tok.apply_chat_template(
                 conv,
                 add_generation_prompt=add_generation_prompt and not continue_final_message,
                 chat_template=chat_template,
-                **(chat_template_kwargs or {}),
+                **extra,
             )
             if continue_final_message:
                 if not conv or conv[-1]["role"] != "assistant":
