@@ -293,3 +293,57 @@ def test_logit_bias_forces_bans_and_refuses(server: ServerProcess) -> None:
             model=MODEL, messages=[{"role": "user", "content": "hi"}], tool_choice="auto"
         )
     assert e.value.body["param"] == "tool_choice"
+
+
+def test_return_token_ids_gives_the_prompts_and_choices_ids(server: ServerProcess) -> None:
+    """vLLM's return_token_ids (RL rollouts train on the exact ids): in whole replies and in
+    streams, which carry the same ids; replies that do not ask keep OpenAI's shape."""
+    c = _client(server)
+    ask = {"return_token_ids": True, "ignore_eos": True}
+    whole = c.completions.create(
+        model=MODEL, prompt="Ids", max_tokens=4, n=2, temperature=0, extra_body=ask
+    )
+    prompt = httpx.post(
+        server.base_url + "/tokenize",
+        json={"prompt": "Ids"},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    ).json()["tokens"]
+    for ch in whole.choices:
+        extra = ch.model_extra
+        assert extra["prompt_token_ids"] == prompt and len(extra["token_ids"]) == 4
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    firsts = {}
+    for chunk in c.completions.create(
+        model=MODEL, prompt="Ids", max_tokens=4, n=2, temperature=0, stream=True, extra_body=ask
+    ):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.model_extra["token_ids"]
+            firsts.setdefault(ch.index, ch.model_extra.get("prompt_token_ids"))
+    assert streamed == {ch.index: ch.model_extra["token_ids"] for ch in whole.choices}
+    assert firsts == {0: prompt, 1: prompt}  # on each choice's first chunk
+    messages = [{"role": "user", "content": "Ids"}]
+    chat = c.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, extra_body=ask
+    )
+    assert len(chat.model_extra["prompt_token_ids"]) == chat.usage.prompt_tokens
+    ids = chat.choices[0].model_extra["token_ids"]
+    assert len(ids) == chat.usage.completion_tokens == 4
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, temperature=0, stream=True,
+            extra_body=ask,
+        )
+    )  # fmt: skip
+    assert chunks[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    assert [
+        t for k in chunks for ch in k.choices for t in ch.model_extra.get("token_ids") or []
+    ] == ids
+    # not asked: no such keys at all
+    plain = httpx.post(
+        server.base_url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Ids", "max_tokens": 2},
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        timeout=60,
+    ).json()
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]

@@ -97,6 +97,8 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = False
     stop_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: all that fit
+    # vLLM's: the prompt's and each choice's token ids in the reply (RL rollouts train on them)
+    return_token_ids: bool | None = False
     # vLLM's and OpenAI's fields tidal cannot honour: a 400 naming the field when one is set to
     # anything but its default (UNSERVED), rather than a reply that silently ignores it.
     use_beam_search: Any = None
@@ -105,7 +107,6 @@ class _SamplingRequest(_Request):
     bad_words: Any = None
     allowed_token_ids: Any = None
     return_tokens_as_token_ids: Any = None
-    return_token_ids: Any = None
     guided_whitespace_pattern: Any = None
     logits_processors: Any = None
     cache_salt: Any = None

@@ -33,6 +33,20 @@ def _now_s() -> int:
     return int(time.time())
 
 
+class _TokenIds(BaseModel):
+    """A reply part that carries token ids when the request asks (vLLM's return_token_ids):
+    `prompt_token_ids` / `token_ids` are left out of the JSON while None, so replies that did
+    not ask keep OpenAI's shape."""
+
+    @model_serializer(mode="wrap")
+    def _only_asked(self, handler):  # no return annotation: the JSON schema stays the fields'
+        data = handler(self)
+        for key in ("prompt_token_ids", "token_ids"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
@@ -78,11 +92,13 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, Logprob] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIds):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: its prompt (first chunk)
+    token_ids: list[int] | None = None  # return_token_ids: the tokens of this text
 
 
 class CompletionResponse(BaseModel):
@@ -146,14 +162,15 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ChatToolCall] | None = None
 
 
-class ChatCompletionChoice(BaseModel):
+class ChatCompletionChoice(_TokenIds):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the reply's tokens
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_TokenIds):
     id: str = Field(default_factory=lambda: random_id("chatcmpl"))
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=_now_s)
@@ -161,6 +178,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the rendered conversation
 
 
 class DeltaMessage(BaseModel):
@@ -181,20 +199,22 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatCompletionStreamChoice(BaseModel):
+class ChatCompletionStreamChoice(_TokenIds):
     index: int
     delta: DeltaMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: this delta's tokens
 
 
-class ChatCompletionStreamResponse(BaseModel):
+class ChatCompletionStreamResponse(_TokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
 
 
 # --- /v1/models, /tokenize, /detokenize -------------------------------------------------------

@@ -150,27 +150,27 @@ class ChatRun:
             lp = None
             if self.num_top is not None:
                 lp = chat_logprobs(ch.token_ids, ch.logprobs, self.num_top, tok)
+            ids = list(ch.token_ids) if self.req.return_token_ids else None
             out_choices.append(
-                ChatCompletionChoice(index=idx, message=message, logprobs=lp, finish_reason=finish)
+                ChatCompletionChoice(
+                    index=idx, message=message, logprobs=lp, finish_reason=finish, token_ids=ids
+                )
             )
         usage_info = usage.usage()
         if reasoning is not None:
             usage_info.completion_tokens_details = reasoning.details(
                 ch.token_ids for ch in choices.values()
             )
+        prompt = list(job.inputs[0].token_ids) if self.req.return_token_ids else None
         return ChatCompletionResponse(
-            id=job.request_id, model=state.served_name, choices=out_choices, usage=usage_info
-        )
+            id=job.request_id, model=state.served_name, choices=out_choices, usage=usage_info,
+            prompt_token_ids=prompt,
+        )  # fmt: skip
 
     def _chunks(
         self, first: tuple, rest: AsyncIterator
     ) -> AsyncIterator[ChatCompletionStreamResponse]:
-        req = self.req
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
-        return _stream(
-            self.job, first, rest, self.num_top, req.include_usage, continuous, self.reasoning,
-            self.mode, self.parser,
-        )  # fmt: skip
+        return _stream(self, first, rest)
 
 
 @functools.cache
@@ -197,18 +197,15 @@ def _message(
 
 
 async def _stream(
-    job: GenerationJob,
-    first: tuple,
-    rest: AsyncIterator,
-    num_top: int | None,
-    include_usage: bool,
-    continuous_usage: bool,
-    reasoning: ChatReasoning | None,
-    mode: ToolMode,
-    parser: ToolParser,
+    run: ChatRun, first: tuple, rest: AsyncIterator
 ) -> AsyncIterator[ChatCompletionStreamResponse]:
     """The chunks of a streamed chat answer; an APIError (a failure after the first output)
     propagates to the encoder."""
+    job, req, num_top, reasoning = run.job, run.req, run.num_top, run.reasoning
+    mode, parser = run.mode, run.parser
+    continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    ids = bool(req.return_token_ids)  # vLLM's: the prompt's ids first, each delta's ids
+    prompt_ids = list(job.inputs[0].token_ids) if ids else None
     state = job.state
     tok = state.tokenizer
     head = {"id": job.request_id, "created": int(time.time()), "model": state.served_name}
@@ -226,7 +223,10 @@ async def _stream(
         return info
 
     def chunk(choice: ChatCompletionStreamChoice) -> ChatCompletionStreamResponse:
+        nonlocal prompt_ids
         extra = {"usage": usage_now()} if continuous_usage else {}
+        if prompt_ids is not None:  # on the stream's first chunk only
+            extra["prompt_token_ids"], prompt_ids = prompt_ids, None
         return ChatCompletionStreamResponse(**head, choices=[choice], **extra)
 
     async def all_outputs() -> AsyncIterator[tuple]:
@@ -276,7 +276,11 @@ async def _stream(
                         finish = "tool_calls"
                 if text or calls:
                     deltas.append(DeltaMessage(content=text or None, tool_calls=calls))
-                if not deltas and finish is None and (num_top is None or not c.token_ids):
+                if (
+                    not deltas
+                    and finish is None
+                    and (num_top is None and not ids or not c.token_ids)
+                ):
                     continue  # nothing to show yet (text held back at a stop string or a tag)
                 lp = None
                 if num_top is not None and c.token_ids:
@@ -286,10 +290,11 @@ async def _stream(
                     yield chunk(ChatCompletionStreamChoice(index=c.index, delta=delta))
                 yield chunk(
                     ChatCompletionStreamChoice(
-                        index=c.index, delta=last, logprobs=lp, finish_reason=finish
+                        index=c.index, delta=last, logprobs=lp, finish_reason=finish,
+                        token_ids=list(c.token_ids) if ids else None,
                     )
-                )
-        if include_usage:
+                )  # fmt: skip
+        if req.include_usage:
             yield ChatCompletionStreamResponse(**head, choices=[], usage=usage_now())
     finally:
         with contextlib.suppress(Exception):

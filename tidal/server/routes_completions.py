@@ -76,7 +76,16 @@ async def create_completion(request: Request) -> Response:
         body = await open_stream(
             outs,
             server.sse_keepalive_s,
-            lambda first: _stream(job, first, outs, echo, num_top, req.include_usage, continuous),
+            lambda first: _stream(
+                job,
+                first,
+                outs,
+                echo,
+                num_top,
+                req.include_usage,
+                continuous,
+                bool(req.return_token_ids),
+            ),  # fmt: skip
         )
         return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     choices, prompt_logprobs, usage = await until_disconnect(request, collect(job))
@@ -97,9 +106,14 @@ async def create_completion(request: Request) -> Response:
                 )
             offset = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
             completion_logprobs(ch.token_ids, ch.logprobs, num_top, tok, offset, lp)
+        asked = bool(req.return_token_ids)  # vLLM's: the prompt's and the choice's ids
         out_choices.append(
-            CompletionChoice(index=idx, text=text, logprobs=lp, finish_reason=ch.finish_reason)
-        )
+            CompletionChoice(
+                index=idx, text=text, logprobs=lp, finish_reason=ch.finish_reason,
+                prompt_token_ids=list(inp.token_ids) if asked else None,
+                token_ids=list(ch.token_ids) if asked else None,
+            )
+        )  # fmt: skip
     body = CompletionResponse(
         id=job.request_id, model=state.served_name, choices=out_choices, usage=usage.usage()
     )
@@ -120,6 +134,7 @@ async def _stream(
     num_top: int | None,
     include_usage: bool,
     continuous_usage: bool,
+    ids: bool,
 ) -> AsyncIterator[bytes]:
     state = job.state
     tok = state.tokenizer
@@ -146,6 +161,7 @@ async def _stream(
                     raise err
                 text = c.text
                 lp = None if num_top is None else CompletionLogProbs()
+                prompt_ids = list(job.inputs[i].token_ids) if ids and not ch.started else None
                 if echo and not ch.started:
                     inp = job.inputs[i]
                     prompt_text = _prompt_text(inp, tok)
@@ -170,8 +186,13 @@ async def _stream(
                     **head,
                     choices=[
                         CompletionChoice(
-                            index=idx, text=text, logprobs=lp, finish_reason=c.finish_reason
-                        )
+                            index=idx,
+                            text=text,
+                            logprobs=lp,
+                            finish_reason=c.finish_reason,
+                            prompt_token_ids=prompt_ids,
+                            token_ids=list(c.token_ids) if ids else None,
+                        )  # fmt: skip
                     ],
                     # vLLM's continuous_usage_stats: the counts so far on every chunk.
                     usage=usage.usage() if continuous_usage else None,

@@ -15,7 +15,6 @@ UNSERVED: dict[str, tuple[Any, str]] = {
     "bad_words": ([], "ban a single-token word with logit_bias -100"),
     "allowed_token_ids": (None, "a choice or a grammar (structured_outputs) restricts the output"),
     "return_tokens_as_token_ids": (False, "/tokenize gives the ids of a text"),
-    "return_token_ids": (False, "/tokenize gives the ids of a text"),
     "guided_whitespace_pattern": (None, "JSON is written compact, without free whitespace"),
     "logits_processors": (None, "no custom logits processors are loaded"),
     "cache_salt": (None, "the prefix cache is shared by every request on this server"),
