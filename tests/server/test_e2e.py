@@ -347,3 +347,46 @@ def test_return_token_ids_gives_the_prompts_and_choices_ids(server: ServerProces
         timeout=60,
     ).json()
     assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+
+
+def test_prompt_logprobs_score_the_prompt_as_echo_does(server: ServerProcess) -> None:
+    """vLLM's prompt_logprobs: per prompt position the top-k and the prompt's own token; the
+    own token's logprob is echo + logprobs' for the same position."""
+    c = _client(server)
+    out = c.completions.create(
+        model=MODEL, prompt="Score me", max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )  # fmt: skip
+    plp = out.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == out.usage.prompt_tokens
+    echo = c.completions.create(
+        model=MODEL, prompt="Score me", max_tokens=1, temperature=0, echo=True, logprobs=2
+    )
+    echoed = echo.choices[0].logprobs.token_logprobs[: len(plp)]
+    ids = c.completions.create(
+        model=MODEL, prompt="Score me", max_tokens=1, extra_body={"return_token_ids": True}
+    ).choices[0].model_extra["prompt_token_ids"]  # fmt: skip
+    for pos in range(1, len(plp)):
+        entry = plp[pos]
+        own = entry[str(ids[pos])]
+        assert own["logprob"] == pytest.approx(echoed[pos], abs=1e-5)
+        assert sum(1 for e in entry.values() if e["rank"] <= 2) == 2  # the top two
+        assert len(entry) <= 3 and all(e["decoded_token"] is not None for e in entry.values())
+    streamed = [
+        ch.model_extra.get("prompt_logprobs")
+        for chunk in c.completions.create(
+            model=MODEL, prompt="Score me", max_tokens=2, temperature=0, stream=True,
+            extra_body={"prompt_logprobs": 2},
+        )
+        for ch in chunk.choices
+    ]  # fmt: skip
+    assert streamed[0] == plp and all(p is None for p in streamed[1:])
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Score me"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0},
+    )  # fmt: skip
+    chat_plp = chat.model_extra["prompt_logprobs"]
+    assert len(chat_plp) == chat.usage.prompt_tokens and all(len(e) == 1 for e in chat_plp[1:])
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs=21 is invalid"):
+        c.completions.create(
+            model=MODEL, prompt="x", max_tokens=1, extra_body={"prompt_logprobs": 21}
+        )

@@ -243,7 +243,6 @@ USER = [{"role": "user", "content": "x"}]
         (CompletionRequest, {"prompt": [-1]}, "prompt", "token ids >= 0"),
         (CompletionRequest, {"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         (CompletionRequest, {"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported (tidal does not run beam search"),
-        (CompletionRequest, {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "echo with logprobs"),
         (CompletionRequest, {"prompt": "x", "allowed_token_ids": [1]}, "allowed_token_ids", "not supported"),
         (CompletionRequest, {"prompt": "x", "cache_salt": "a"}, "cache_salt", "shared by every request"),
         (CompletionRequest, {"prompt": "x", "truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "must be -1"),
@@ -294,6 +293,7 @@ def test_unserved_fields_at_their_defaults_are_accepted() -> None:
         ({"messages": USER, "n": 0}, "n", "n=0 is invalid"),
         ({"messages": USER, "n": 100000}, "n", "n=100000 is invalid: expected an integer in [1, 128]"),
         ({"messages": USER, "max_tokens": 2, "min_tokens": 3}, "min_tokens", "at most max_tokens (2)"),
+        ({"messages": USER, "prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs=21 is invalid"),
     ],
 )  # fmt: skip
 def test_sampling_errors_name_the_request_param(

@@ -99,11 +99,12 @@ class _SamplingRequest(_Request):
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: all that fit
     # vLLM's: the prompt's and each choice's token ids in the reply (RL rollouts train on them)
     return_token_ids: bool | None = False
+    # vLLM's: the prompt's logprobs, this many top alternatives per position (0 to 20)
+    prompt_logprobs: int | None = None
     # vLLM's and OpenAI's fields tidal cannot honour: a 400 naming the field when one is set to
     # anything but its default (UNSERVED), rather than a reply that silently ignores it.
     use_beam_search: Any = None
     length_penalty: Any = None
-    prompt_logprobs: Any = None
     bad_words: Any = None
     allowed_token_ids: Any = None
     return_tokens_as_token_ids: Any = None
@@ -297,11 +298,15 @@ class CompletionRequest(_SamplingRequest):
         # recommends one; left out, OpenAI's 16.
         kwargs["max_tokens"] = _given(self.max_tokens, defaults.get("max_tokens"))
         kwargs["logprobs"] = self.logprobs
-        # echo with logprobs returns the prompt's logprobs too, as OpenAI does.
-        kwargs["prompt_logprobs"] = (
-            self.logprobs if self.echo and self.logprobs is not None else None
-        )
-        return self._build(kwargs, {"prompt_logprobs": "logprobs"})
+        # echo with logprobs returns the prompt's logprobs too, as OpenAI does; vLLM's
+        # prompt_logprobs asks for them alone. The engine computes the larger of the two.
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        asked = [k for k in (echoed, self.prompt_logprobs) if k is not None]
+        kwargs["prompt_logprobs"] = max(asked) if asked else None
+        names = {
+            "prompt_logprobs": "prompt_logprobs" if self.prompt_logprobs is not None else "logprobs"
+        }
+        return self._build(kwargs, names)
 
 
 class TextPart(_Body):
@@ -445,6 +450,7 @@ class ChatCompletionRequest(_SamplingRequest):
         asked = self.max_completion_tokens if uses_new else self.max_tokens
         kwargs["max_tokens"] = _given(asked, defaults.get("max_tokens"))
         kwargs["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        kwargs["prompt_logprobs"] = self.prompt_logprobs  # vLLM's: of the rendered conversation
         names = {
             "max_tokens": "max_completion_tokens" if uses_new else "max_tokens",
             "logprobs": "top_logprobs",

@@ -33,15 +33,28 @@ def _now_s() -> int:
     return int(time.time())
 
 
+class PromptLogprob(BaseModel):
+    """One token of a prompt position's vLLM-shaped prompt_logprobs entry."""
+
+    logprob: Logprob
+    rank: int | None = None  # 1-based under the model's distribution
+    decoded_token: str | None = None
+
+
+# A prompt's logprobs: per position (None for the first), token id -> its entry (the top
+# alternatives asked for and the prompt's own token)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class _TokenIds(BaseModel):
-    """A reply part that carries token ids when the request asks (vLLM's return_token_ids):
-    `prompt_token_ids` / `token_ids` are left out of the JSON while None, so replies that did
-    not ask keep OpenAI's shape."""
+    """A reply part that carries vLLM's extras when the request asks (return_token_ids,
+    prompt_logprobs): they are left out of the JSON while None, so replies that did not ask keep
+    OpenAI's shape."""
 
     @model_serializer(mode="wrap")
     def _only_asked(self, handler):  # no return annotation: the JSON schema stays the fields'
         data = handler(self)
-        for key in ("prompt_token_ids", "token_ids"):
+        for key in ("prompt_token_ids", "token_ids", "prompt_logprobs"):
             if key in data and data[key] is None:
                 del data[key]
         return data
@@ -99,6 +112,7 @@ class CompletionChoice(_TokenIds):
     finish_reason: str | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: its prompt (first chunk)
     token_ids: list[int] | None = None  # return_token_ids: the tokens of this text
+    prompt_logprobs: PromptLogprobs | None = None  # its prompt's (first chunk)
 
 
 class CompletionResponse(BaseModel):
@@ -179,6 +193,7 @@ class ChatCompletionResponse(_TokenIds):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: the rendered conversation
+    prompt_logprobs: PromptLogprobs | None = None  # of the rendered conversation
 
 
 class DeltaMessage(BaseModel):
@@ -215,6 +230,7 @@ class ChatCompletionStreamResponse(_TokenIds):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # return_token_ids: on the first chunk
+    prompt_logprobs: PromptLogprobs | None = None  # on the first chunk
 
 
 # --- /v1/models, /tokenize, /detokenize -------------------------------------------------------
@@ -243,3 +259,25 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+def prompt_logprobs_json(entries: list | None, prompt_ids: list[int], k: int) -> PromptLogprobs:
+    """The engine's prompt logprobs (token id -> Logprob per position) as vLLM's JSON, each
+    position cut to the `k` best alternatives plus the prompt's own token (the engine may have
+    computed more, for echo with a larger logprobs)."""
+    out: PromptLogprobs = []
+    for pos, entry in enumerate(entries or []):
+        if entry is None:
+            out.append(None)
+            continue
+        own = prompt_ids[pos] if pos < len(prompt_ids) else None
+        out.append(
+            {
+                str(tid): PromptLogprob(
+                    logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token
+                )
+                for tid, lp in entry.items()
+                if tid == own or (lp.rank is not None and lp.rank <= k)
+            }
+        )
+    return out

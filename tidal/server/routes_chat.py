@@ -38,7 +38,9 @@ from tidal.server.responses import (
     ChatToolCall,
     DeltaMessage,
     FunctionCall,
+    PromptLogprobs,
     UsageInfo,
+    prompt_logprobs_json,
     random_id,
 )
 from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_event, sse_event
@@ -133,7 +135,7 @@ class ChatRun:
 
     async def response(self, request: Request) -> ChatCompletionResponse:
         job, state, reasoning = self.job, self.job.state, self.reasoning
-        choices, _, usage = await until_disconnect(request, collect(job))
+        choices, prompt_lps, usage = await until_disconnect(request, collect(job))
         tok = state.tokenizer
         out_choices = []
         for idx, ch in sorted(choices.items()):
@@ -161,10 +163,14 @@ class ChatRun:
             usage_info.completion_tokens_details = reasoning.details(
                 ch.token_ids for ch in choices.values()
             )
-        prompt = list(job.inputs[0].token_ids) if self.req.return_token_ids else None
+        req, prompt_ids = self.req, job.inputs[0].token_ids
+        plp = None
+        if req.prompt_logprobs is not None:  # vLLM's: of the rendered conversation
+            plp = prompt_logprobs_json(prompt_lps.get(0), prompt_ids, req.prompt_logprobs)
         return ChatCompletionResponse(
             id=job.request_id, model=state.served_name, choices=out_choices, usage=usage_info,
-            prompt_token_ids=prompt,
+            prompt_token_ids=list(prompt_ids) if req.return_token_ids else None,
+            prompt_logprobs=plp,
         )  # fmt: skip
 
     def _chunks(
@@ -206,6 +212,7 @@ async def _stream(
     continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
     ids = bool(req.return_token_ids)  # vLLM's: the prompt's ids first, each delta's ids
     prompt_ids = list(job.inputs[0].token_ids) if ids else None
+    prompt_lps: PromptLogprobs | None = None  # vLLM's prompt_logprobs, for the next chunk
     state = job.state
     tok = state.tokenizer
     head = {"id": job.request_id, "created": int(time.time()), "model": state.served_name}
@@ -223,10 +230,12 @@ async def _stream(
         return info
 
     def chunk(choice: ChatCompletionStreamChoice) -> ChatCompletionStreamResponse:
-        nonlocal prompt_ids
+        nonlocal prompt_ids, prompt_lps
         extra = {"usage": usage_now()} if continuous_usage else {}
         if prompt_ids is not None:  # on the stream's first chunk only
             extra["prompt_token_ids"], prompt_ids = prompt_ids, None
+        if prompt_lps is not None:  # on the chunk after they arrive (the first)
+            extra["prompt_logprobs"], prompt_lps = prompt_lps, None
         return ChatCompletionStreamResponse(**head, choices=[choice], **extra)
 
     async def all_outputs() -> AsyncIterator[tuple]:
@@ -237,6 +246,10 @@ async def _stream(
     try:
         async for _, out in all_outputs():
             usage.add(0, out)
+            if out.prompt_logprobs is not None and req.prompt_logprobs is not None:
+                prompt_lps = prompt_logprobs_json(
+                    out.prompt_logprobs, job.inputs[0].token_ids, req.prompt_logprobs
+                )
             if reasoning is not None:  # the ids usage counted, for its reasoning tokens
                 for c in out.outputs:
                     choices.setdefault(c.index, ChoiceState()).token_ids.extend(c.token_ids)

@@ -37,6 +37,7 @@ from tidal.server.responses import (
     CompletionLogProbs,
     CompletionResponse,
     CompletionStreamResponse,
+    prompt_logprobs_json,
     random_id,
 )
 from tidal.server.sse import SSE_DONE, SSE_HEADERS, SSE_MEDIA_TYPE, sse_error_event, sse_event
@@ -71,21 +72,11 @@ async def create_completion(request: Request) -> Response:
     if req.stream:
         server = state.config.server
         outs = job.outputs(server.stream_interval_ms / 1000)
-        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         # Errors before any output (429, 400) raise here and keep their status.
         body = await open_stream(
             outs,
             server.sse_keepalive_s,
-            lambda first: _stream(
-                job,
-                first,
-                outs,
-                echo,
-                num_top,
-                req.include_usage,
-                continuous,
-                bool(req.return_token_ids),
-            ),  # fmt: skip
+            lambda first: _stream(job, first, outs, req),
         )
         return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     choices, prompt_logprobs, usage = await until_disconnect(request, collect(job))
@@ -107,11 +98,15 @@ async def create_completion(request: Request) -> Response:
             offset = lp.text_offset[-1] + len(lp.tokens[-1]) if lp.tokens else 0
             completion_logprobs(ch.token_ids, ch.logprobs, num_top, tok, offset, lp)
         asked = bool(req.return_token_ids)  # vLLM's: the prompt's and the choice's ids
+        plp = None
+        if req.prompt_logprobs is not None:  # vLLM's: the prompt's logprobs alone
+            entries = prompt_logprobs.get(idx // job.n)
+            plp = prompt_logprobs_json(entries, inp.token_ids, req.prompt_logprobs)
         out_choices.append(
             CompletionChoice(
                 index=idx, text=text, logprobs=lp, finish_reason=ch.finish_reason,
                 prompt_token_ids=list(inp.token_ids) if asked else None,
-                token_ids=list(ch.token_ids) if asked else None,
+                token_ids=list(ch.token_ids) if asked else None, prompt_logprobs=plp,
             )
         )  # fmt: skip
     body = CompletionResponse(
@@ -127,20 +122,17 @@ def _prompt_text(inp: PromptInput, tok) -> str:
 
 
 async def _stream(
-    job: GenerationJob,
-    first: tuple,
-    rest: AsyncIterator,
-    echo: bool,
-    num_top: int | None,
-    include_usage: bool,
-    continuous_usage: bool,
-    ids: bool,
+    job: GenerationJob, first: tuple, rest: AsyncIterator, req: CompletionRequest
 ) -> AsyncIterator[bytes]:
+    echo, num_top, include_usage = bool(req.echo), req.logprobs, req.include_usage
+    continuous_usage = bool(req.stream_options and req.stream_options.continuous_usage_stats)
+    ids, prompt_k = bool(req.return_token_ids), req.prompt_logprobs  # vLLM's extras
     state = job.state
     tok = state.tokenizer
     created = int(time.time())
     head = {"id": job.request_id, "created": created, "model": state.served_name}
     choices: dict[int, ChoiceState] = {}
+    prompt_lps: dict[int, list] = {}  # by prompt index
     usage = UsageCounter()
 
     async def all_outputs() -> AsyncIterator[tuple]:
@@ -162,6 +154,12 @@ async def _stream(
                 text = c.text
                 lp = None if num_top is None else CompletionLogProbs()
                 prompt_ids = list(job.inputs[i].token_ids) if ids and not ch.started else None
+                if out.prompt_logprobs is not None:  # once per prompt, for its choices
+                    prompt_lps[i] = out.prompt_logprobs
+                plp = None
+                if prompt_k is not None and not ch.started:
+                    entries = prompt_lps.get(i)
+                    plp = prompt_logprobs_json(entries, job.inputs[i].token_ids, prompt_k)
                 if echo and not ch.started:
                     inp = job.inputs[i]
                     prompt_text = _prompt_text(inp, tok)
@@ -192,6 +190,7 @@ async def _stream(
                             finish_reason=c.finish_reason,
                             prompt_token_ids=prompt_ids,
                             token_ids=list(c.token_ids) if ids else None,
+                            prompt_logprobs=plp,
                         )  # fmt: skip
                     ],
                     # vLLM's continuous_usage_stats: the counts so far on every chunk.

@@ -11,7 +11,6 @@ from pydantic import ValidationInfo
 UNSERVED: dict[str, tuple[Any, str]] = {
     "use_beam_search": (False, "tidal does not run beam search (n samples several replies)"),
     "length_penalty": (1.0, "it applies to beam search, which tidal does not run"),
-    "prompt_logprobs": (None, "on /v1/completions, echo with logprobs returns the prompt's"),
     "bad_words": ([], "ban a single-token word with logit_bias -100"),
     "allowed_token_ids": (None, "a choice or a grammar (structured_outputs) restricts the output"),
     "return_tokens_as_token_ids": (False, "/tokenize gives the ids of a text"),
