@@ -411,12 +411,12 @@ def test_tokenize_and_detokenize_bodies() -> None:
 def test_fields_tidal_does_not_read_are_logged_once_by_name(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import tidal.server.protocol as protocol
+    import tidal.server.ignored as ignored
     from tidal.server.protocol_responses import PASSED_ON, ResponsesRequest
 
-    monkeypatch.setattr(protocol, "_REPORTED", set())
+    monkeypatch.setattr(ignored, "_REPORTED", set())
     body = {"messages": USER, "prediction": {"type": "content"}, "top_a": 0.2}
-    with caplog.at_level("WARNING", logger="tidal.server.protocol"):
+    with caplog.at_level("WARNING", logger="tidal.server.ignored"):
         parse_request(ChatCompletionRequest, body)
         parse_request(ChatCompletionRequest, body)  # the same names again: not repeated
         # a Responses body's chat fields are read (passed on), not ignored
@@ -425,10 +425,10 @@ def test_fields_tidal_does_not_read_are_logged_once_by_name(
     assert len(lines) == 1, lines
     assert "ChatCompletionRequest" in lines[0] and "'prediction', 'top_a'" in lines[0]
     # bounded: a client inventing names cannot grow the log or the set without end
-    monkeypatch.setattr(protocol, "MAX_REPORTED", 3)
+    monkeypatch.setattr(ignored, "MAX_REPORTED", 3)
     caplog.clear()
-    with caplog.at_level("WARNING", logger="tidal.server.protocol"):
+    with caplog.at_level("WARNING", logger="tidal.server.ignored"):
         for k in range(10):
             parse_request(CompletionRequest, {"prompt": "x", f"junk{k}": 1})
-    assert len(protocol._REPORTED) == 3 and len(caplog.records) == 1
+    assert len(ignored._REPORTED) == 3 and len(caplog.records) == 1
     assert "no further ones are reported" in caplog.records[0].getMessage()

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from tidal.sampling_params import SamplingParams
 from tidal.server.errors import bad_request, from_validation_error
+from tidal.server.ignored import report_ignored
 from tidal.server.structured import extra_specs, one_spec, response_format_spec
 from tidal.server.tools import ToolMode, check_tools, forced_spec, tool_mode
 from tidal.server.unserved import CHAT_UNSERVED, UNSERVED, unless_default
@@ -478,27 +479,6 @@ def parse_request(
     if extra and any(name not in read for name in extra):
         report_ignored(cls.__name__, [name for name in extra if name not in read])
     return req
-
-
-# Field names already reported, and how many at most: random names from one client must not
-# grow this set or the log without bound.
-_REPORTED: set[tuple[str, str]] = set()
-MAX_REPORTED = 256
-
-
-def report_ignored(kind: str, extra: list[str]) -> None:
-    """Log once per (request kind, field) the fields a request sent that tidal does not read:
-    an operator sees why a client's option changes nothing (vLLM warns of them per request)."""
-    if len(_REPORTED) >= MAX_REPORTED:
-        return
-    new = [name for name in extra if (kind, name) not in _REPORTED][: MAX_REPORTED - len(_REPORTED)]
-    if not new:
-        return
-    _REPORTED.update((kind, name) for name in new)
-    shown = ", ".join(repr(name[:64]) for name in new)
-    tail = "; no further ones are reported" if len(_REPORTED) >= MAX_REPORTED else ""
-    log.warning("%s fields tidal does not read, ignored: %s (each name is reported once%s)",
-                kind, shown, tail)  # fmt: skip
 
 
 def decode_json(body: bytes | str) -> Any:
