@@ -18,7 +18,6 @@ Ranges are checked once, by SamplingParams; `to_sampling_params` names the reque
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal, TypeVar
@@ -31,8 +30,6 @@ from tidal.server.ignored import report_ignored
 from tidal.server.structured import extra_specs, one_spec, response_format_spec
 from tidal.server.tools import ToolMode, check_tools, forced_spec, tool_mode
 from tidal.server.unserved import CHAT_UNSERVED, UNSERVED, unless_default
-
-log = logging.getLogger(__name__)
 
 _ROLES = ("system", "user", "assistant", "developer", "tool")
 _PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
