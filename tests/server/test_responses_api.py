@@ -192,8 +192,9 @@ def test_text_format_json_schema_is_enforced(server: ServerProcess) -> None:
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type"),
         ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # the template reads none
         ({"reasoning": {"summary": "auto"}}, "reasoning"),
-        ({"top_logprobs": 2}, "top_logprobs"),
         ({"include": ["reasoning.encrypted_content"]}, "include"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 1, "tools": TOOLS}, "include"),  # tool text is not all output text
         ({"max_output_tokens": 10**9}, "max_output_tokens"),
         ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
         ({"tool_choice": {"type": "allowed_tools"}}, "tool_choice"),
@@ -235,3 +236,23 @@ def test_retrieving_a_response_says_none_are_stored(server: ServerProcess) -> No
     with pytest.raises(openai.NotFoundError, match="stores no responses"):
         c.responses.input_items.list(resp.id)
     assert httpx.get(server.base_url + f"/v1/responses/{resp.id}").status_code == 401  # no key
+
+
+def test_output_text_logprobs_streamed_or_not(server: ServerProcess) -> None:
+    c = _client(server)
+    body = {"model": MODEL, "input": "Once", "temperature": 0, "max_output_tokens": TOKENS,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}  # fmt: skip
+    whole = c.responses.create(**body)
+    lps = whole.output[0].content[0].logprobs
+    assert len(lps) == whole.usage.output_tokens == TOKENS
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.logprob for t in lps)
+    events = list(c.responses.create(**body, stream=True))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in lps]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [t.token for t in done.logprobs] == [t.token for t in lps]
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Once"}], temperature=0,
+        max_tokens=TOKENS, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    assert [t.logprob for t in chat.choices[0].logprobs.content] == [t.logprob for t in lps]

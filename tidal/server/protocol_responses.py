@@ -7,8 +7,10 @@ request path, with its templates, tool parsers, reasoning parsers, grammars and 
 
 Nothing is stored: `store` is answered false, and what needs a stored response
 (`previous_response_id`, `background`, item references) is refused with a 400, as is any tool
-type but `function` and any input part but text. `prompt_cache_key` is chat's
-too: a session_id, so the prefix cache keeps the conversation's turns (what OpenAI's key is for).
+type but `function` and any input part but text. Logprobs come on the output text
+(`include: ["message.output_text.logprobs"]`, `top_logprobs`) where the answer is all text.
+`prompt_cache_key` is chat's too: a session_id, so the prefix cache keeps the conversation's
+turns (what OpenAI's key is for).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ PASSED_ON = frozenset({
     "logit_bias", "skip_special_tokens", "chat_template_kwargs", "priority", "session_id",
     "timeout_s", "queue_timeout_s", "parallel_tool_calls", "user", "prompt_cache_key",
 })  # fmt: skip
+# What `include` may name: the output text's token logprobs (top_logprobs sets how many
+# alternatives each has).
+LOGPROBS = "message.output_text.logprobs"
 # The roles of Responses messages (tool results are function_call_output items).
 _ROLES = ("user", "assistant", "system", "developer")
 # A chat error's param -> the Responses field the client sent.
@@ -36,6 +41,7 @@ _PARAMS = {
     "response_format": "text.format",
     "truncate_prompt_tokens": "truncation",
     "reasoning_effort": "reasoning.effort",
+    "top_logprobs": "top_logprobs",
 }
 
 
@@ -83,19 +89,25 @@ class ResponsesRequest(_Request):
             raise ValueError("background responses are not supported: stream instead")
         return v
 
-    @field_validator("include", "max_tool_calls")
+    @field_validator("max_tool_calls")
     @classmethod
     def _unserved(cls, v: Any) -> Any:
         if v:
             raise ValueError(f"{v!r} is not supported")
         return v
 
-    @field_validator("top_logprobs")
+    @field_validator("include")
     @classmethod
-    def _logprobs(cls, v: int | None) -> int | None:
-        if v:
-            raise ValueError("logprobs are not served on /v1/responses: use chat completions")
+    def _include(cls, v: list[str] | None) -> list[str] | None:
+        other = [x for x in v or [] if x != LOGPROBS]
+        if other:
+            raise ValueError(f"{other!r} is not supported: only {LOGPROBS!r} is")
         return v
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """include names the output text's logprobs, or top_logprobs asks for alternatives."""
+        return LOGPROBS in (self.include or []) or bool(self.top_logprobs)
 
     @field_validator("reasoning")
     @classmethod
@@ -130,6 +142,8 @@ def chat_request(
         chat["max_completion_tokens"] = req.max_output_tokens
     if req.truncation == "auto":
         chat["truncate_prompt_tokens"] = -1  # drop the oldest tokens that do not fit
+    if req.wants_logprobs:
+        chat["logprobs"], chat["top_logprobs"] = True, req.top_logprobs or 0
     if req.reasoning and req.reasoning.get("effort") is not None:
         chat["reasoning_effort"] = req.reasoning["effort"]  # for a template that reads it
     if req.tools:

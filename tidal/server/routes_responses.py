@@ -21,11 +21,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tidal.config.cache import CacheConfig
-from tidal.server.errors import APIError
+from tidal.server.errors import APIError, bad_request
 from tidal.server.guards import admit, check_auth, state_of
 from tidal.server.protocol import decode_json, parse_request
 from tidal.server.protocol_responses import PASSED_ON, ResponsesRequest, chat_request, renamed
-from tidal.server.responses import ChatCompletionStreamResponse, ChatResponseMessage, UsageInfo
+from tidal.server.responses import (
+    ChatChoiceLogprobs,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    UsageInfo,
+)
 from tidal.server.routes_chat import ChatRun, start_chat
 from tidal.server.sse import SSE_HEADERS, SSE_MEDIA_TYPE
 
@@ -55,13 +60,20 @@ async def create_response(request: Request) -> Response:
         run = await start_chat(state, chat, shape_id)
     except APIError as e:
         raise renamed(e) from None
+    if req.wants_logprobs and (run.reasoning is not None or run.mode.kind != "none"):
+        raise bad_request(
+            "logprobs on /v1/responses come on the output text alone: with tools or a "
+            "reasoning model the tokens are not all text (chat completions give every token's)",
+            "include",
+        )
     shape = _Shape(req, run, state.served_name, id=shape_id)
     if req.stream:
         body = await run.stream(shape.events)
         return StreamingResponse(body, media_type=SSE_MEDIA_TYPE, headers=SSE_HEADERS)
     out = await run.response(request)
     choice = out.choices[0]
-    items = _items(choice.message, choice.finish_reason)
+    lps = _logprobs(choice.logprobs) if req.wants_logprobs else []
+    items = _items(choice.message, choice.finish_reason, lps)
     body = shape.response(_status(choice.finish_reason), items, out.usage)
     return Response(_dumps(body), media_type="application/json")
 
@@ -92,15 +104,23 @@ def _status(finish: str | None) -> str:
     return "incomplete" if finish == "length" else "completed"
 
 
-def _text_part(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def _logprobs(lp: ChatChoiceLogprobs | None) -> list[dict[str, Any]]:
+    """Chat's token logprobs as the output text's (the same fields: token, logprob, bytes,
+    top_logprobs)."""
+    return [t.model_dump() for t in lp.content] if lp is not None and lp.content else []
 
 
 def _reasoning_part(text: str) -> dict[str, Any]:
     return {"type": "reasoning_text", "text": text}
 
 
-def _items(message: ChatResponseMessage, finish: str | None) -> list[dict[str, Any]]:
+def _items(
+    message: ChatResponseMessage, finish: str | None, logprobs: list | None = None
+) -> list[dict[str, Any]]:
     """A finished chat message as output items: reasoning, message, function calls."""
     items: list[dict[str, Any]] = []
     if message.reasoning_content:
@@ -112,7 +132,7 @@ def _items(message: ChatResponseMessage, finish: str | None) -> list[dict[str, A
     if message.content or not (calls or items):
         items.append(
             {"type": "message", "id": _id("msg"), "role": "assistant", "status": _status(finish),
-             "content": [_text_part(message.content or "")]}
+             "content": [_text_part(message.content or "", logprobs)]}
         )  # fmt: skip
     for call in calls:
         items.append(
@@ -221,8 +241,9 @@ class _Shape:
                     if d.reasoning_content:
                         for b in stream.text("reasoning", d.reasoning_content):
                             yield b
-                    if d.content:
-                        for b in stream.text("message", d.content):
+                    lps = _logprobs(choice.logprobs)
+                    if d.content or lps:
+                        for b in stream.text("message", d.content or "", lps):
                             yield b
                     for call in d.tool_calls or []:
                         for b in stream.call(call):
@@ -253,9 +274,13 @@ class _ItemStream:
     open: dict[str, Any] | None = None  # the item being written
     text_so_far: list[str] = field(default_factory=list)
     call_index: int | None = None  # the open function_call's chat tool-call index
+    logprobs: list[dict[str, Any]] = field(default_factory=list)  # the open message's tokens'
+    # Tokens whose text is held back (a stop string may follow): their logprobs go with the next
+    # text delta, or with the done events
+    held: list[dict[str, Any]] = field(default_factory=list)
 
     def _begin(self, item: dict[str, Any]) -> list[bytes]:
-        self.open, self.text_so_far = item, []
+        self.open, self.text_so_far, self.logprobs = item, [], []
         index = len(self.output)
         out = [self.shape._event("response.output_item.added", output_index=index, item=item)]
         part = {"message": _text_part(""), "reasoning": _reasoning_part("")}.get(item["type"])
@@ -266,7 +291,7 @@ class _ItemStream:
             )  # fmt: skip
         return out
 
-    def text(self, kind: str, delta: str) -> list[bytes]:
+    def text(self, kind: str, delta: str, logprobs: list | None = None) -> list[bytes]:
         out: list[bytes] = []
         if self.open is None or self.open["type"] != kind:
             out += self.close("completed")
@@ -278,13 +303,17 @@ class _ItemStream:
                 item["summary"] = []
             out += self._begin(item)
         assert self.open is not None
+        self.held += logprobs or []
         if not delta:
             return out
         self.text_so_far.append(delta)
         name = (
             "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         )
-        extra = {"logprobs": []} if kind == "message" else {}
+        extra = {}
+        if kind == "message":
+            extra["logprobs"], self.held = self.held, []
+            self.logprobs += extra["logprobs"]
         out.append(
             self.shape._event(name, item_id=self.open["id"], output_index=len(self.output),
                               content_index=0, delta=delta, **extra)
@@ -325,11 +354,14 @@ class _ItemStream:
                           arguments=text))  # fmt: skip
         else:
             message = item["type"] == "message"
-            part = _text_part(text) if message else _reasoning_part(text)
+            if message:
+                self.logprobs += self.held
+                self.held = []
+            part = _text_part(text, self.logprobs) if message else _reasoning_part(text)
             item.update(content=[part], status=status if message else "completed")
             if message:
                 out.append(ev("response.output_text.done", **ids, content_index=0, text=text,
-                              logprobs=[]))  # fmt: skip
+                              logprobs=self.logprobs))  # fmt: skip
             else:
                 out.append(ev("response.reasoning_text.done", **ids, content_index=0, text=text))
             out.append(ev("response.content_part.done", **ids, content_index=0, part=part))
