@@ -14,9 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.server.tiny_server import ServerProcess, serve
-from tidal.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from tidal.server.protocol import ChatCompletionRequest, CompletionRequest
+from tidal.server.protocol_tokenize import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,

@@ -252,6 +252,7 @@ USER = [{"role": "user", "content": "x"}]
         (ChatCompletionRequest, {"messages": USER, "store": True}, "store", "stores no completions"),
         (ChatCompletionRequest, {"messages": USER, "verbosity": "low"}, "verbosity", "max_completion_tokens"),
         (ChatCompletionRequest, {"messages": USER, "service_tier": "flex"}, "service_tier", "send priority"),
+        (ChatCompletionRequest, {"messages": USER, "service_tier": []}, "service_tier", "send priority"),
         (CompletionRequest, {"prompt": "x", "n": 2, "best_of": 3}, "best_of", "unless it equals n"),
         (CompletionRequest, {"prompt": "x", "stop_token_ids": [1, -2]}, "stop_token_ids", "token ids >= 0"),
         (CompletionRequest, {"prompt": "x", "stop": ["s"] * 65}, "stop", "at most 64 stop strings of at most 1024"),

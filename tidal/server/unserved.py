@@ -46,7 +46,10 @@ CHAT_UNSERVED: dict[str, tuple[Any, str]] = {
 def unless_default(table: dict[str, tuple[Any, str]], v: Any, info: ValidationInfo) -> Any:
     """`v` when it asks for nothing: null, the default, or one of a frozenset of defaults."""
     default, why = table[info.field_name]
-    fine = v in default if isinstance(default, frozenset) else v == default
+    if isinstance(default, frozenset):
+        fine = isinstance(v, str | int | float | bool) and v in default  # a list is no default
+    else:
+        fine = v == default
     if v is not None and not fine:
         raise ValueError(f"not supported ({why})")
     return v
