@@ -15,7 +15,11 @@ from tidal.config.scheduler import SchedulerConfig
 from tidal.engine.builder import build_engine
 from tidal.engine.output import RequestOutput
 from tidal.engine.stats import StepStats
-from tidal.loader.chat_template import cut_after_final_message, normalize_messages
+from tidal.loader.chat_template import (
+    choose_named_template,
+    cut_after_final_message,
+    normalize_messages,
+)
 from tidal.loader.generation_config import model_sampling_defaults
 from tidal.sampling_params import SamplingParams
 
@@ -168,10 +172,10 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         extra = dict(chat_template_kwargs or {})
-        if tools is not None:
+        if tools is not None:  # the template apply_chat_template will pick, by its own rule
             named = getattr(tok, "named_chat_templates", {})
-            used = tok.chat_template if chat_template in (None, "default") else chat_template
-            if "tools" not in (named.get(used, used) or ""):
+            used = choose_named_template(tok.chat_template, named, chat_template, True)
+            if "tools" not in (used or ""):
                 raise ValueError("tools: this chat template never reads them (name one that does)")
             extra["tools"] = tools
         ids = []

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tidal.config.limits import LimitsConfig
 from tidal.config.server import ServerConfig
-from tidal.loader.chat_template import cut_after_final_message
+from tidal.loader.chat_template import choose_named_template, cut_after_final_message
 from tidal.sampling_params import SamplingParams
 from tidal.server.errors import bad_request
 from tidal.server.protocol import (
@@ -130,11 +130,15 @@ def _render(
         extra["chat_template"] = req.chat_template
     if "chat_template" in extra:
         extra["chat_template"] = _named_template(extra["chat_template"], tokenizer)
-    effort = getattr(req, "reasoning_effort", None)
-    if effort is not None:
-        extra["reasoning_effort"] = _reasoning_effort(effort, extra.get("chat_template"), tokenizer)
     cont = bool(req.continue_final_message)
     tools = list(mode.tools) if mode is not None and mode.tools else None
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:  # for the template apply_chat_template will pick, by its own rule
+        template = choose_named_template(
+            tokenizer.chat_template, getattr(tokenizer, "named_chat_templates", {}),
+            extra.get("chat_template"), tools is not None,
+        )  # fmt: skip
+        extra["reasoning_effort"] = _reasoning_effort(effort, template)
     messages = plain_tool_turns(messages, getattr(tokenizer, "chat_template", None))
     if tools is not None:
         extra["tools"] = tools
@@ -152,11 +156,9 @@ def _render(
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _reasoning_effort(effort: str, name: str | None, tokenizer) -> str:
+def _reasoning_effort(effort: str, template: str | None) -> str:
     """A request's reasoning_effort, for a template that reads it (vLLM passes it the same
     way); a 400 where the template never looks at it, rather than an effort silently lost."""
-    named = getattr(tokenizer, "named_chat_templates", {})
-    template = named.get(name) if name not in (None, "default") else tokenizer.chat_template
     if "reasoning_effort" not in (template or ""):
         raise bad_request(
             "Invalid value for 'reasoning_effort': this model's chat template takes no reasoning "
