@@ -30,7 +30,7 @@ from tidal.server.responses import (
     ModelList,
     TokenizeResponse,
 )
-from tidal.server.unserved import CHAT_UNSERVED, UNSERVED
+from tidal.server.unserved import CHAT_UNSERVED, RESPONSES_UNSERVED, UNSERVED
 
 _REF = "#/components/schemas/{model}"
 # One request body per route that any served model answers with 200 (the fuzz tests send it).
@@ -185,6 +185,7 @@ _REFINE: dict[str, dict[str, dict[str, Any]]] = {
         }
     },
     "TokenizeChatRequest": {"messages": _MESSAGES, "chat_template": _TEMPLATE_NAME},
+    "ResponsesRequest": _asks_nothing(RESPONSES_UNSERVED),
     "DetokenizeRequest": {"tokens": {"array": {"items": {"type": "integer", "minimum": 0}}}},
 }
 _REQUIRED = {"ChatMessage": ["role", "content"]}

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import field_validator
+from pydantic import ValidationInfo, field_validator
 
 from tidal.server.errors import APIError, bad_request
 from tidal.server.protocol import ChatCompletionRequest, _Request, parse_request
+from tidal.server.unserved import RESPONSES_UNSERVED, unless_default
 
 # Chat fields a Responses body may carry too (vLLM's sampling extensions, tidal's own): passed on.
 PASSED_ON = frozenset({
@@ -64,37 +65,22 @@ class ResponsesRequest(_Request):
     user: str | None = None
     prompt_cache_key: str | None = None
     store: bool | None = None  # answered false: nothing is kept
-    # Refused unless absent or their default (they need stored responses or features tidal lacks)
-    previous_response_id: str | None = None
-    conversation: Any = None
-    background: bool | None = None
     include: list[str] | None = None
-    prompt: Any = None
     reasoning: dict[str, Any] | None = None
     top_logprobs: int | None = None
-    max_tool_calls: int | None = None
-    service_tier: str | None = None
+    # Refused unless absent or their default (RESPONSES_UNSERVED): they need stored responses or
+    # features tidal lacks
+    previous_response_id: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    background: Any = None
+    max_tool_calls: Any = None
+    service_tier: Any = None
 
-    @field_validator("previous_response_id", "conversation", "prompt")
+    @field_validator(*RESPONSES_UNSERVED)
     @classmethod
-    def _stored(cls, v: Any) -> Any:
-        if v is not None:
-            raise ValueError("tidal keeps no responses or prompts: send the whole conversation")
-        return v
-
-    @field_validator("background")
-    @classmethod
-    def _background(cls, v: bool | None) -> bool | None:
-        if v:
-            raise ValueError("background responses are not supported: stream instead")
-        return v
-
-    @field_validator("max_tool_calls")
-    @classmethod
-    def _unserved(cls, v: Any) -> Any:
-        if v:
-            raise ValueError(f"{v!r} is not supported")
-        return v
+    def _unserved(cls, v: Any, info: ValidationInfo) -> Any:
+        return unless_default(RESPONSES_UNSERVED, v, info)
 
     @field_validator("include")
     @classmethod
@@ -117,13 +103,6 @@ class ResponsesRequest(_Request):
                 "reasoning summaries are not supported: a reasoning model's thought comes back "
                 "whole as a reasoning item"
             )
-        return v
-
-    @field_validator("service_tier")
-    @classmethod
-    def _tier(cls, v: str | None) -> str | None:
-        if v not in (None, "auto", "default"):
-            raise ValueError(f"{v!r} is not served: expected auto or default")
         return v
 
 

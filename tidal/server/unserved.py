@@ -42,6 +42,19 @@ CHAT_UNSERVED: dict[str, tuple[Any, str]] = {
     "function_call": (None, "the legacy function_call field is not read: send tool_choice"),
 }
 
+# /v1/responses: what needs a stored response, or a feature tidal lacks (protocol_responses.py)
+RESPONSES_UNSERVED: dict[str, tuple[Any, str]] = {
+    "previous_response_id": (None, "tidal keeps no responses: send the whole conversation"),
+    "conversation": (None, "tidal keeps no conversations: send the whole conversation"),
+    "prompt": (None, "tidal keeps no prompt templates: send the instructions and input"),
+    "background": (False, "background responses are not run: stream instead"),
+    "max_tool_calls": (None, "the model's calls are not counted: bound max_output_tokens"),
+    "service_tier": (
+        frozenset({"auto", "default"}),
+        "every request runs at one tier here: send priority",
+    ),
+}
+
 
 def unless_default(table: dict[str, tuple[Any, str]], v: Any, info: ValidationInfo) -> Any:
     """`v` when it asks for nothing: null, the default, or one of a frozenset of defaults."""
