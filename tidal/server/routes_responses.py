@@ -118,28 +118,36 @@ def _reasoning_part(text: str) -> dict[str, Any]:
     return {"type": "reasoning_text", "text": text}
 
 
+def _item(kind: str, status: str, content: list | None = None) -> dict[str, Any]:
+    """A message or reasoning output item: the one shape a whole reply and a stream build."""
+    item: dict[str, Any] = {"type": kind, "id": _id("msg" if kind == "message" else "rs"),
+                            "status": status, "content": content or []}  # fmt: skip
+    if kind == "message":
+        item["role"] = "assistant"
+    else:
+        item["summary"] = []
+    return item
+
+
+def _call_item(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": _id("fc"), "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}  # fmt: skip
+
+
 def _items(
     message: ChatResponseMessage, finish: str | None, logprobs: list | None = None
 ) -> list[dict[str, Any]]:
     """A finished chat message as output items: reasoning, message, function calls."""
     items: list[dict[str, Any]] = []
     if message.reasoning_content:
-        items.append(
-            {"type": "reasoning", "id": _id("rs"), "summary": [], "status": "completed",
-             "content": [_reasoning_part(message.reasoning_content)]}
-        )  # fmt: skip
+        items.append(_item("reasoning", "completed", [_reasoning_part(message.reasoning_content)]))
     calls = message.tool_calls or []
     if message.content or not (calls or items):
-        items.append(
-            {"type": "message", "id": _id("msg"), "role": "assistant", "status": _status(finish),
-             "content": [_text_part(message.content or "", logprobs)]}
-        )  # fmt: skip
+        part = _text_part(message.content or "", logprobs)
+        items.append(_item("message", _status(finish), [part]))
     for call in calls:
-        items.append(
-            {"type": "function_call", "id": _id("fc"), "call_id": call.id,
-             "name": call.function.name, "arguments": call.function.arguments,
-             "status": "completed"}
-        )  # fmt: skip
+        fn = call.function
+        items.append(_call_item(call.id, fn.name, fn.arguments, "completed"))
     return items
 
 
@@ -295,13 +303,7 @@ class _ItemStream:
         out: list[bytes] = []
         if self.open is None or self.open["type"] != kind:
             out += self.close("completed")
-            item: dict[str, Any] = {"type": kind, "id": _id("msg" if kind == "message" else "rs"),
-                                    "status": "in_progress", "content": []}  # fmt: skip
-            if kind == "message":
-                item["role"] = "assistant"
-            else:
-                item["summary"] = []
-            out += self._begin(item)
+            out += self._begin(_item(kind, "in_progress"))
         assert self.open is not None
         self.held += logprobs or []
         if not delta:
@@ -327,9 +329,8 @@ class _ItemStream:
         if self.open is None or self.open["type"] != "function_call" or self.call_index != index:
             out += self.close("completed")
             self.call_index = index
-            item = {"type": "function_call", "id": _id("fc"), "call_id": delta.get("id") or _id("call"),
-                    "name": fn.get("name") or "", "arguments": "", "status": "in_progress"}  # fmt: skip
-            out += self._begin(item)
+            call_id = delta.get("id") or _id("call")
+            out += self._begin(_call_item(call_id, fn.get("name") or "", "", "in_progress"))
         assert self.open is not None
         if fn.get("arguments"):
             self.text_so_far.append(fn["arguments"])
