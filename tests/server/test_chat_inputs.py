@@ -12,6 +12,7 @@ from tidal.loader.tokenizer import load_tokenizer
 from tidal.server.errors import APIError
 from tidal.server.inputs import PromptLimits, _cut_after_final_message, _message_dict, chat_input
 from tidal.server.protocol import ChatCompletionRequest, parse_request
+from tidal.server.tools import tool_mode
 
 
 def _rendered(family: str, messages: list[dict]) -> str:
@@ -130,3 +131,33 @@ def test_reasoning_effort_reaches_a_template_that_reads_it_and_is_refused_elsewh
         for e in ("low", "high")
     ]  # fmt: skip
     assert lengths[1] == lengths[0] + 1
+
+
+def test_tools_go_through_the_tool_use_template_without_a_second_listing(tiny_checkpoint) -> None:
+    # A checkpoint whose default template knows no tools and whose "tool_use" template lists
+    # them (as Hermes-style checkpoints ship): a request with tools renders with tool_use, and
+    # the plain-text fallback, meant for templates that never read tools, must not be added too.
+    tok = load_tokenizer(tiny_checkpoint)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};{% endfor %}"
+    tok.named_chat_templates = {
+        "tool_use": "{% for t in tools %}T:{{ t['function']['name'] }};{% endfor %}"
+        "{% for m in messages %}{{ m['role'] }}:{{ m['content'] }};"
+        "{% for c in m.get('tool_calls') or [] %}C:{{ c['function']['name'] }};{% endfor %}"
+        "{% endfor %}"
+    }
+    limits = PromptLimits(512, tok.vocab_size, 500, False)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "sum"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        ],
+        "tools": tools,
+    }
+    req = parse_request(ChatCompletionRequest, body)
+    ids = chat_input(req, tok, limits, tool_mode(tools, None, None)).token_ids
+    text = tok.decode(ids)
+    assert text.startswith("T:add;") and "C:add;" in text and "tool:3;" in text
+    assert "You can call these functions" not in text and "<tool_call>" not in text

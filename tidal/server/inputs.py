@@ -132,17 +132,19 @@ def _render(
         extra["chat_template"] = _named_template(extra["chat_template"], tokenizer)
     cont = bool(req.continue_final_message)
     tools = list(mode.tools) if mode is not None and mode.tools else None
+    # The template apply_chat_template will pick, by its own rule: what it reads decides the
+    # reasoning effort's check and whether tools and tool turns need a plain-text form.
+    template = choose_named_template(
+        tokenizer.chat_template, getattr(tokenizer, "named_chat_templates", {}),
+        extra.get("chat_template"), tools is not None,
+    )  # fmt: skip
     effort = getattr(req, "reasoning_effort", None)
-    if effort is not None:  # for the template apply_chat_template will pick, by its own rule
-        template = choose_named_template(
-            tokenizer.chat_template, getattr(tokenizer, "named_chat_templates", {}),
-            extra.get("chat_template"), tools is not None,
-        )  # fmt: skip
+    if effort is not None:
         extra["reasoning_effort"] = _reasoning_effort(effort, template)
-    messages = plain_tool_turns(messages, getattr(tokenizer, "chat_template", None))
+    messages = plain_tool_turns(messages, template)
     if tools is not None:
         extra["tools"] = tools
-        messages = with_tool_text(messages, mode, getattr(tokenizer, "chat_template", None))  # type: ignore[arg-type]
+        messages = with_tool_text(messages, mode, template)  # type: ignore[arg-type]
     try:
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=bool(req.add_generation_prompt) and not cont, **extra
