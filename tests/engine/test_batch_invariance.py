@@ -118,6 +118,18 @@ def reference(model):
                 cpu_budget_step_ms=None,
             ),
         ),
+        # Prompt-lookup drafts (1-token suffixes: the random prompts repeat few longer ones):
+        # each step checks up to 4 guessed tokens per decode in one batch with the others.
+        (
+            "speculative",
+            dict(
+                kv_cache_bytes=8 << 20,
+                max_num_seqs=16,
+                max_num_batched_tokens=64,
+                num_speculative_tokens=4,
+                prompt_lookup_min=1,
+            ),
+        ),
     ],
 )
 @pytest.mark.parametrize("seed", [0, 1])  # 1: all prompts share a 20-token prefix (prefix hits)
@@ -126,17 +138,45 @@ def test_batched_equals_alone(model, reference, name, kwargs, seed):
     if name == "preempted" and vocab == 64:  # 16 KiB pages, sliding window 8: chunk to preempt
         pool = 200 << 10 if model.kv_dtype == "float32" else 100 << 10  # float16: 8 KiB pages
         kwargs = {**kwargs, "kv_cache_bytes": pool, "max_num_batched_tokens": 32}
-    llm = LLM(path, block_size=8, kv_cache_dtype=model.kv_dtype, **kwargs)
+    steps: list[StepStats] = []
+    llm = LLM(path, block_size=8, kv_cache_dtype=model.kv_dtype, on_step=steps.append, **kwargs)
     prompts = _prompts(vocab, seed, shared_prefix=20 if seed else 0)
     priorities = [random.Random(seed).randrange(-2, 3) for _ in prompts]
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS, priority=priorities)
     _assert_same(reference[seed], outs, model.logprob_tol)
     stats = llm.engine.last_stats
+    if name == "speculative":  # drafts were kept and thrown away, and the outputs held
+        accepted = sum(s.num_accepted_tokens for s in steps)
+        assert accepted > 0  # (the tiny GGUF repeats one token: all its drafts are right)
     if name == "preempted":
         assert stats.num_preemptions_total > 0
     if seed == 1 and name != "preempted":
         assert stats.prefix_hit_tokens_total >= 16 * (NUM_REQUESTS - 1)
     assert_pool_clean(llm.engine.kv)
+
+
+def test_drafts_the_model_rejects_change_nothing(model, reference):
+    """Prompts that hold the model's favourite token followed by others: a decode that writes
+    it is given those others as drafts, which the model rejects (their KV is stale and must be
+    written again). Outputs and logprobs equal those without drafts."""
+    path, vocab = model.path, model.vocab
+    outputs = [t for r in reference[0] for t in r.outputs[0].token_ids]
+    fav = max(set(outputs), key=outputs.count)
+    rng = random.Random(5)
+    others = [t for t in range(3, vocab) if t != fav]
+    prompts = [p + [fav, *rng.sample(others, 3)] + p[1:5] for p in _prompts(vocab, 2)]
+    runs = []
+    for drafts in (0, 4):
+        steps: list[StepStats] = []
+        llm = LLM(path, block_size=8, kv_cache_bytes=8 << 20, kv_cache_dtype=model.kv_dtype,
+                  max_num_seqs=16, num_speculative_tokens=drafts, prompt_lookup_min=1,
+                  on_step=steps.append)  # fmt: skip
+        runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS))
+        assert_pool_clean(llm.engine.kv)
+    drafted = sum(s.num_draft_tokens for s in steps)
+    accepted = sum(s.num_accepted_tokens for s in steps)
+    assert 0 < accepted < drafted
+    _assert_same(runs[0], runs[1], model.logprob_tol)
 
 
 def test_prefix_hit_on_second_run_changes_nothing(model, reference):

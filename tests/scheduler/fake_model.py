@@ -16,17 +16,24 @@ def next_token(context: list[int]) -> int:
 class PagedFakeModel:
     """Writes each computed token id into its KV slot through the block tables, then samples
     from the ids it reads back. A wrong table (a null block in the window, a block shared while
-    another request overwrote it, a stale prefix hit) reads wrong ids and fails loudly."""
+    another request overwrote it, a stale prefix hit) reads wrong ids and fails loudly.
 
-    def __init__(self, layout: KVLayout) -> None:
+    A decode with drafts writes them after its last token and samples after each, keeping the
+    drafts up to the first the model disagrees with (as the runner does): a rejected draft's
+    stale KV that a later step read without recomputing fails the same way."""
+
+    def __init__(self, layout: KVLayout, next_token=next_token) -> None:  # type: ignore[no-untyped-def]
         self.layout = layout
+        self.next_token = next_token
         self.pages: dict[tuple[int, int], int] = {}  # (block id, offset) -> token id
+        self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def execute(self, output: SchedulerOutput) -> dict[str, list[int]]:
         bs = self.layout.block_size
         sampled: dict[str, list[int]] = {}
         for s in output.scheduled:  # in batch order: writers before readers
-            tokens = s.request.all_token_ids
+            draft = s.draft_token_ids
+            tokens = s.request.all_token_ids + draft
             end = s.start + s.num_tokens
             for g, spec in enumerate(self.layout.groups):
                 table = s.block_tables[g]
@@ -46,11 +53,19 @@ class PagedFakeModel:
                             pos,
                         )
             if s.sample:
-                sampled[s.request.request_id] = [next_token(tokens[:end])]
+                known = end - len(draft)
+                out = [self.next_token(tokens[:known])]
+                for i, d in enumerate(draft):
+                    if out[-1] != d:
+                        break
+                    out.append(self.next_token(tokens[: known + i + 1]))
+                sampled[s.request.request_id] = out
+                self.num_draft_tokens += len(draft)
+                self.num_accepted_tokens += len(out) - 1
         return sampled
 
 
-def reference_output(request: Request) -> list[int]:
+def reference_output(request: Request, next_token=next_token) -> list[int]:  # type: ignore[no-untyped-def]
     """What the fake model produces for a request alone, computed without any KV at all."""
     tokens = list(request.prompt_token_ids)
     max_tokens = request.sampling_params.max_tokens

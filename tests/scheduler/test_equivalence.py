@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from tests.kv.pool_check import FakeClock, assert_pool_clean
-from tests.scheduler.fake_model import PagedFakeModel, reference_output, run_to_completion
+from tests.scheduler.fake_model import (
+    PagedFakeModel,
+    next_token,
+    reference_output,
+    run_to_completion,
+)
 from tidal.config.cache import CacheConfig
 from tidal.config.scheduler import SchedulerConfig
 from tidal.kv.layout import KVLayout
@@ -18,11 +23,11 @@ BS = 8
 GEMMA_LIKE = [16] * 5 + [None]
 
 
-def workload() -> list[Request]:
+def workload(model_next=next_token) -> list[Request]:  # type: ignore[no-untyped-def]
     """Shared system prompts, a two-turn chat, n=3 siblings and mixed priorities and lengths."""
     system = [(i * 13) % 97 for i in range(24)]
     turn1 = system + [1, 2, 3, 4, 5]
-    turn1_out = reference_output(_req("probe", turn1, 6))
+    turn1_out = reference_output(_req("probe", turn1, 6), model_next)
     reqs = [_req("turn1", turn1, 6, session_id="chat")]
     reqs.append(_req("turn2", turn1 + turn1_out + [9, 9, 9], 5, session_id="chat"))
     reqs += [_req(f"sib{i}", system + [60, 61], 7) for i in range(3)]
@@ -48,13 +53,27 @@ CASES = {
     "gemma-like-roomy": dict(num_blocks=512, windows=GEMMA_LIKE),
     "gemma-like-preempting": dict(num_blocks=80, windows=GEMMA_LIKE, max_num_batched_tokens=16),
 }
+# With drafts the copying model's requests finish in fewer steps, so fewer run at once: smaller
+# pools make them preempt.
+DRAFT_BLOCKS = {"preempting": 14, "prefix-off-preempting": 12, "gemma-like-preempting": 44}
 
 
+def copying_next_token(context: list[int]) -> int:
+    """A model that mostly repeats what came 6 tokens back (so prompt-lookup drafts are often
+    right) and sometimes does not (so some are rejected and their KV must be recomputed)."""
+    if sum(context) % 4:
+        return context[-6] if len(context) >= 6 else context[-1]
+    return next_token(context)
+
+
+@pytest.mark.parametrize("drafts", [0, 3], ids=["plain", "drafts"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_outputs_match_the_reference(case: str) -> None:
+def test_outputs_match_the_reference(case: str, drafts: int) -> None:
     opts = dict(CASES[case])
     windows = opts.pop("windows", [None])
     num_blocks = opts.pop("num_blocks")
+    if drafts:
+        num_blocks = DRAFT_BLOCKS.get(case, num_blocks)
     prefix = opts.pop("enable_prefix_caching", True)
     layout = KVLayout.from_layer_windows(
         windows, block_size=BS, num_kv_heads=1, head_dim=4, dtype_bytes=2
@@ -62,10 +81,12 @@ def test_outputs_match_the_reference(case: str) -> None:
     clock = FakeClock()
     cache_config = CacheConfig(block_size=BS, enable_prefix_caching=prefix)  # type: ignore[arg-type]
     kv = KVCacheManager(layout, num_blocks, cache_config, clock=clock)  # type: ignore[arg-type]
-    config = SchedulerConfig(**{"max_num_batched_tokens": 64, "max_num_seqs": 8, **opts})  # type: ignore[arg-type]
+    spec = dict(num_speculative_tokens=drafts, prompt_lookup_min=1, prompt_lookup_max=3)
+    config = SchedulerConfig(**{"max_num_batched_tokens": 64, "max_num_seqs": 8, **spec, **opts})  # type: ignore[arg-type]
     sched = Scheduler(config, cache_config, kv, clock=clock)
-    model = PagedFakeModel(layout)
-    reqs = workload()
+    model_next = copying_next_token if drafts else next_token
+    model = PagedFakeModel(layout, model_next)
+    reqs = workload(model_next)
     for r in reqs[:1]:
         sched.add_request(r)
     run_to_completion(sched, model)  # turn 1 completes before turn 2 arrives
@@ -74,9 +95,11 @@ def test_outputs_match_the_reference(case: str) -> None:
     outputs = run_to_completion(sched, model)
     for r in reqs:
         assert r.status is RequestStatus.FINISHED_LENGTH, r.request_id
-        assert r.output_token_ids == reference_output(r), r.request_id
+        assert r.output_token_ids == reference_output(r, model_next), r.request_id
     preempted = sum(len(o.preempted_ids) for o in outputs)
     assert (preempted > 0) == case.endswith("preempting")
+    if drafts:  # drafts were checked, and both kept and thrown away
+        assert 0 < model.num_accepted_tokens < model.num_draft_tokens
     if prefix:
         assert kv.prefix_hit_tokens >= 24 + 2 * 24  # turn 2 and two siblings at least
         if num_blocks >= 256:  # nothing evicted: turn 2 reuses turn 1's prompt and outputs

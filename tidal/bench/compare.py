@@ -81,6 +81,12 @@ TARGETS: dict[str, Target] = {
             ("--cpu-budget-step-ms", "300"),
             "latency: steps of ~300 ms from the cost model while anything decodes (CPU)",
         ),  # fmt: skip
+        Target(
+            "tidal-ngram",
+            "tidal",
+            ("--num-speculative-tokens", "4"),
+            "speed: prompt-lookup speculative decoding, up to 4 drafts a step",
+        ),  # fmt: skip
         Target("tidal-no-chunked-prefill", "tidal", ("--no-chunked-prefill",), "ablation"),
         Target("tidal-max-num-seqs-1", "tidal", ("--max-num-seqs", "1"), "ablation: no batching"),
         Target(

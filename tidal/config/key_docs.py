@@ -115,6 +115,18 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "into one step (the seed layout's dynamic_window); 0: none",
         "--window-ms",
     ),
+    "batching.num_speculative_tokens": KeyDoc(
+        "prompt-lookup speculative decoding: up to this many tokens guessed from where the "
+        "last tokens occurred earlier in the prompt or output, checked in one step; outputs "
+        "are the same as without (0: off)",
+        "--num-speculative-tokens",
+    ),
+    "batching.prompt_lookup_max": KeyDoc(
+        "the longest suffix prompt lookup searches for (tried first)", "--prompt-lookup-max"
+    ),
+    "batching.prompt_lookup_min": KeyDoc(
+        "the shortest suffix prompt lookup searches for", "--prompt-lookup-min"
+    ),
     "batching.priority_aging_s": KeyDoc(
         "a waiting request gains one priority level per this many seconds, so none starves",
         "--priority-aging-s",

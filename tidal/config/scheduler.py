@@ -41,6 +41,15 @@ class SchedulerConfig:
     # Among prefills of one level, shorter uncached work goes first; one second of waiting is
     # worth this many tokens of length, so long prompts are not starved.
     length_aging_tokens_per_s: float = 512.0
+    # Prompt-lookup (n-gram) speculative decoding: a decoding request whose last tokens occurred
+    # earlier in its prompt or output proposes the tokens that followed them there, up to this
+    # many; one step checks them all (their rows cost little beside the weights a step reads
+    # anyway) and keeps the ones the model agrees with. 0: off. Outputs are the same as without.
+    num_speculative_tokens: int = 0
+    # The longest and shortest suffix looked up (longest first): a longer match predicts better,
+    # a shorter one matches more often.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
@@ -69,6 +78,24 @@ class SchedulerConfig:
             "priority_aging_s",
             self.priority_aging_s,
             "a positive number of seconds",
+        )
+        check(
+            self.num_speculative_tokens >= 0,
+            "num_speculative_tokens",
+            self.num_speculative_tokens,
+            "an integer >= 0 (0: off)",
+        )
+        check(
+            self.prompt_lookup_min >= 1,
+            "prompt_lookup_min",
+            self.prompt_lookup_min,
+            "an integer >= 1",
+        )
+        check(
+            self.prompt_lookup_max >= self.prompt_lookup_min,
+            "prompt_lookup_max",
+            self.prompt_lookup_max,
+            f"an integer >= prompt_lookup_min ({self.prompt_lookup_min})",
         )
         check(
             self.length_aging_tokens_per_s >= 0,

@@ -255,6 +255,8 @@ class EngineCore:
             result.moe_expert_tokens,
             num_constrained_seqs=result.num_constrained,
             grammar_mask_s=result.grammar_mask_s,
+            num_draft_tokens=result.num_draft_tokens,
+            num_accepted_tokens=result.num_accepted_tokens,
         )
         if self.on_step is not None:
             self.on_step(self.last_stats)
@@ -273,19 +275,22 @@ class EngineCore:
             prompt_lp = result.prompt_logprobs.get(req.request_id)
             if prompt_lp and self._add_prompt_logprobs(state, prompt_lp):
                 touched[parent.request_id] = parent
-            token = result.sampled.get(req.request_id)
-            if token is None or req.is_finished:
+            tokens = result.sampled.get(req.request_id)
+            if tokens is None or req.is_finished:
                 continue
             if req.first_token_time_s is None:
                 req.first_token_time_s = now
-            lp = result.logprobs.get(req.request_id)
-            delta = state.append([token], None if lp is None else [self._logprob_entry(lp)])
+            lps = result.logprobs.get(req.request_id)
+            entries = None if lps is None else [self._logprob_entry(lp) for lp in lps]
+            delta = state.append(tokens, entries)
             req.output_token_ids.extend(delta.new_token_ids)
             touched[parent.request_id] = parent
             if delta.finish is not None:
                 self.scheduler.finish_requests([req.request_id], delta.finish)
                 req.status = delta.finish
                 self.runner.release(req.request_id)
+            elif sr.draft_token_ids:
+                self.scheduler.keep_accepted(req)
 
     def _add_prompt_logprobs(
         self, state: OutputState, entries: list[tuple[int, TokenLogprobs]]

@@ -53,6 +53,10 @@ class StepStats:
     # their masks took (computed beside the forward, so not all of it adds to step_time_s).
     num_constrained_seqs: int = 0
     grammar_mask_s: float = 0.0
+    # Prompt-lookup speculative decoding: draft tokens checked this step, and how many the model
+    # agreed with (each accepted draft is an output token its step did not have to decode alone).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @staticmethod
     def from_step(
@@ -63,6 +67,8 @@ class StepStats:
         moe_expert_tokens: tuple[int, ...] = (),
         num_constrained_seqs: int = 0,
         grammar_mask_s: float = 0.0,
+        num_draft_tokens: int = 0,
+        num_accepted_tokens: int = 0,
     ) -> StepStats:
         budget = max(1, s.token_budget)
         return StepStats(
@@ -96,4 +102,6 @@ class StepStats:
             moe_expert_tokens=moe_expert_tokens,
             num_constrained_seqs=num_constrained_seqs,
             grammar_mask_s=grammar_mask_s,
+            num_draft_tokens=num_draft_tokens,
+            num_accepted_tokens=num_accepted_tokens,
         )

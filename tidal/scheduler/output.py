@@ -24,6 +24,10 @@ class ScheduledRequest:
     sample: bool
     # Whether logits of the computed prompt positions are needed (prompt logprobs / echo scoring).
     want_prompt_logprobs: bool = False
+    # A decode's guessed next tokens (prompt lookup), computed after its last known token: the
+    # step computes 1 + len(draft) positions, samples each, and keeps the drafts up to the first
+    # the model disagrees with, plus the model's own token there.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -11,6 +11,7 @@ from tidal.kv.manager import KVCacheManager
 from tidal.request import Request, RequestStatus
 from tidal.scheduler.controller import MIN_PREFILL_TOKENS, BatchController, StepLoad
 from tidal.scheduler.cost_model import StepShape, chunk_attended_keys
+from tidal.scheduler.ngram import NgramProposer
 from tidal.scheduler.output import ScheduledRequest, SchedulerOutput
 from tidal.scheduler.queue import WaitingQueue
 from tidal.scheduler.stats import SchedulerStats
@@ -55,6 +56,12 @@ class Scheduler:
         self._finished_pending: list[Request] = []
         self.num_preemptions_total = 0
         self.stats = SchedulerStats()
+        # Prompt-lookup drafts for decodes (num_speculative_tokens > 0), else None.
+        self._drafter = (
+            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+            if config.num_speculative_tokens > 0
+            else None
+        )
 
     # ---- requests in and out ------------------------------------------------------------------
 
@@ -131,10 +138,20 @@ class Scheduler:
                     self._finish(request, status)
                     finished.append(request)
                     break
+            else:
+                self.keep_accepted(request)
         return finished
+
+    def keep_accepted(self, request: Request) -> None:
+        """After a step's tokens were appended: the KV of draft tokens the model did not agree
+        with is stale, so those positions are computed again (the latest token's KV never
+        exists yet: it is the next step's input)."""
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if self._drafter is not None:
+            self._drafter.forget(request.request_id)
         self.kv.free(request)
         self._requests.pop(request.request_id, None)
         self._seq.pop(request.request_id, None)
@@ -191,6 +208,7 @@ class Scheduler:
         # Decodes before prefill chunks (each group oldest first): the budget counted every
         # decode in, and an older request's chunk must not take a decode's token.
         ordered = sorted(self._running, key=lambda r: r.num_uncomputed_tokens != 1)
+        decodes_left = sum(1 for r in ordered if r.num_uncomputed_tokens == 1)
         for request in ordered:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted or failed earlier in this loop
@@ -201,13 +219,24 @@ class Scheduler:
                 num_new = chunk_cap
             if num_new <= 0:
                 continue
-            tables = self._allocate_running(request, num_new, scheduled_ids, out)
+            draft: list[int] = []
+            tables = None
+            if request.num_uncomputed_tokens == 1:
+                decodes_left -= 1
+                # Drafts take budget the other decodes do not need, and blocks that are free:
+                # no one is preempted for a guess.
+                draft = self._draft(request, budget - 1 - decodes_left)
+                if draft:
+                    tables = self.kv.allocate_slots(request, num_new + len(draft))
+                    draft = draft if tables is not None else []
+            if tables is None:
+                tables = self._allocate_running(request, num_new, scheduled_ids, out)
             if tables is not None:
                 scheduled.append(
-                    self._schedule(request, request.num_computed_tokens, num_new, tables)
+                    self._schedule(request, request.num_computed_tokens, num_new, tables, draft)
                 )
                 scheduled_ids.add(request.request_id)
-                budget -= num_new
+                budget -= num_new + len(draft)
 
         hold_until_s = None
         if not out.preempted_ids and len(self._waiting):
@@ -380,18 +409,45 @@ class Scheduler:
             budget -= num_new
 
     def _schedule(
-        self, request: Request, start: int, num_new: int, tables: list[list[int]]
+        self,
+        request: Request,
+        start: int,
+        num_new: int,
+        tables: list[list[int]],
+        draft: list[int] | None = None,
     ) -> ScheduledRequest:
-        request.num_computed_tokens = start + num_new
+        draft = draft or []
+        request.num_computed_tokens = start + num_new + len(draft)
         wants_prompt = request.sampling_params.prompt_logprobs is not None
         return ScheduledRequest(
             request=request,
             start=start,
-            num_tokens=num_new,
+            num_tokens=num_new + len(draft),
             block_tables=tables,
             sample=start + num_new == request.num_tokens,
             want_prompt_logprobs=wants_prompt and start < request.num_prompt_tokens,
+            draft_token_ids=draft,
         )
+
+    def _draft(self, request: Request, budget: int) -> list[int]:
+        """Prompt-lookup drafts for a decode: at most num_speculative_tokens and `budget`, none
+        past max_tokens or the context limit, none for a grammar-constrained request (its
+        matcher would have to walk each draft)."""
+        if (
+            self._drafter is None
+            or request.sampling_params.structured_outputs is not None
+            or request.num_computed_tokens < request.num_prompt_tokens
+        ):
+            return []
+        k = min(self.config.num_speculative_tokens, budget)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:  # the step emits up to k + 1 tokens
+            k = min(k, max_tokens - request.num_output_tokens - 1)
+        if request.max_model_len is not None:  # the last draft's position must exist
+            k = min(k, request.max_model_len - request.num_tokens)
+        if k <= 0:
+            return []
+        return self._drafter.propose(request.request_id, request.all_token_ids, k)
 
     def _expire_deadlines(self, now: float, out: SchedulerOutput) -> None:
         """Finish (FINISHED_DEADLINE) requests past deadline_s, or not started by queue_deadline_s."""
@@ -411,7 +467,7 @@ def _is_decode(scheduled: ScheduledRequest) -> bool:
     """One token at the end of the outputs: all earlier KV exists."""
     request = scheduled.request
     return (
-        scheduled.num_tokens == 1
+        scheduled.num_tokens == 1 + len(scheduled.draft_token_ids)
         and scheduled.start >= request.num_prompt_tokens
         and scheduled.sample
     )
@@ -424,6 +480,7 @@ def _shape(output: SchedulerOutput) -> StepShape:
         keys += chunk_attended_keys(s.start, s.num_tokens)
         if _is_decode(s):
             decodes += 1
+            prefill_tokens += len(s.draft_token_ids)  # rows beside the decode's, as a chunk's
         else:
             prefill_tokens += s.num_tokens
     return StepShape(prefill_tokens, decodes, keys)

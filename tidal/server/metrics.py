@@ -92,6 +92,8 @@ class ServerMetrics:
         self.moe_imbalance = Gauge("tidal:moe_expert_load_imbalance", "MoE models: the last step's busiest expert's tokens over the mean per expert (1: even).", labelnames=rl, registry=r)  # fmt: skip
         self.constrained_requests = Counter("tidal:structured_output_requests", "Requests whose output a grammar constrains, by kind (json, json_object, regex, choice, grammar).", ["kind"], registry=r)  # fmt: skip
         self.grammar_mask = Histogram("tidal:grammar_mask_seconds", "Time to compute one step's grammar masks (all constrained rows; beside the forward).", buckets=_ITL_BUCKETS_S, labelnames=rl, registry=r)  # fmt: skip
+        self.draft_tokens = Counter("tidal:spec_decode_num_draft_tokens", "Prompt-lookup draft tokens checked (batching.num_speculative_tokens).", labelnames=rl, registry=r)  # fmt: skip
+        self.accepted_tokens = Counter("tidal:spec_decode_num_accepted_tokens", "Draft tokens the model agreed with: output tokens gained beside each step's own.", labelnames=rl, registry=r)  # fmt: skip
         self.step_duration = Histogram("tidal:step_duration_seconds", "Wall time of one engine step.", buckets=_ITL_BUCKETS_S, labelnames=rl, registry=r)  # fmt: skip
         self.process_memory = Gauge("tidal:process_memory_bytes", "Resident memory of the server process.", registry=r)  # fmt: skip
         self.memory_fraction = Gauge("tidal:memory_fraction", "Used / total memory of the serving device (RAM on CPU).", registry=r)  # fmt: skip

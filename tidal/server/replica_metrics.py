@@ -46,6 +46,8 @@ class ReplicaMetrics:
         self.moe_expert_tokens = bind(m.moe_expert_tokens)
         self.moe_imbalance = bind(m.moe_imbalance)
         self.grammar_mask = bind(m.grammar_mask)
+        self.draft_tokens = bind(m.draft_tokens)
+        self.accepted_tokens = bind(m.accepted_tokens)
         self.step_predicted = bind(m.step_predicted)
         self.model_load = bind(m.model_load)
         self.engine_restarts = bind(m.engine_restarts)
@@ -106,6 +108,9 @@ class ReplicaMetrics:
             self.step_predicted.observe(stats.predicted_step_s)
         if stats.num_constrained_seqs:
             self.grammar_mask.observe(stats.grammar_mask_s)
+        if stats.num_draft_tokens:
+            self.draft_tokens.inc(stats.num_draft_tokens)
+            self.accepted_tokens.inc(stats.num_accepted_tokens)
         if stats.moe_expert_tokens and any(stats.moe_expert_tokens):
             for n in stats.moe_expert_tokens:
                 self.moe_expert_tokens.observe(n)

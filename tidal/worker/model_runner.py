@@ -15,6 +15,7 @@ from tidal.layers.moe import SparseMoE
 from tidal.layers.sampler import (
     SAMPLER_REGION,
     Sampler,
+    SamplerOutput,
     SamplingRow,
     make_generator,
     prompt_logprobs,
@@ -46,8 +47,9 @@ class RunnerOutput:
     """Per request id: the sampled token (requests whose step reached the end of known tokens),
     its logprobs when asked, and prompt logprobs for the prompt positions computed this step."""
 
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Usually one token; with drafts, the accepted ones and the model's token after them.
+    sampled: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request id -> [(position p, logprobs of token p given tokens < p), ...]
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
     # MoE models: tokens routed to each expert this step, summed over the sparse layers.
@@ -57,6 +59,9 @@ class RunnerOutput:
     # (on the mask thread, overlapped with the forward).
     num_constrained: int = 0
     grammar_mask_s: float = 0.0
+    # Prompt-lookup drafts checked this step, and how many of them the model agreed with.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -201,7 +206,10 @@ class ModelRunner:
             req = sr.request
             end = sr.start + sr.num_tokens
             flat = len(ids)
-            ids.extend(req.all_token_ids[sr.start : end])
+            draft = sr.draft_token_ids
+            # The known tokens, then (a decode with drafts) the guessed ones after them.
+            ids.extend(req.all_token_ids[sr.start : end - len(draft)])
+            ids.extend(draft)
             positions.extend(range(sr.start, end))
             if sr.want_prompt_logprobs:
                 # Logits at position p predict token p + 1: prompt positions 1..P-1 get scored.
@@ -209,17 +217,23 @@ class ModelRunner:
                 if last > sr.start:
                     prompt_rows.append((req.request_id, flat, sr.start, last - sr.start))
             if sr.sample:
-                sample_rows.append(len(ids) - 1)
-                rows.append(
-                    SamplingRow(
-                        params=req.sampling_params,
-                        prompt_token_ids=req.prompt_token_ids,
-                        output_token_ids=req.output_token_ids,
-                        generator=self._generator(req.request_id, req.sampling_params.seed),
-                        eos_token_ids=req.eos_token_ids,
+                generator = self._generator(req.request_id, req.sampling_params.seed)
+                # Row i samples as if the first i drafts were already the outputs (penalties,
+                # min_tokens), which is what they are if the model keeps them.
+                for i in range(len(draft) + 1):
+                    sample_rows.append(len(ids) - 1 - len(draft) + i)
+                    rows.append(
+                        SamplingRow(
+                            params=req.sampling_params,
+                            prompt_token_ids=req.prompt_token_ids,
+                            output_token_ids=req.output_token_ids + draft[:i]
+                            if i
+                            else req.output_token_ids,
+                            generator=generator,
+                            eos_token_ids=req.eos_token_ids,
+                        )
                     )
-                )
-                row_ids.append(req.request_id)
+                    row_ids.append(req.request_id)
         constrained = [
             sr.request
             for sr in sched.scheduled
@@ -284,18 +298,42 @@ class ModelRunner:
                     result = self.sampler(sample_logits, rows)
             else:
                 result = self.sampler(sample_logits, rows)
-            tokens = result.token_ids.tolist()
-            for i, rid in enumerate(row_ids):
-                out.sampled[rid] = tokens[i]
-                k = rows[i].params.logprobs
-                if k is not None and result.logprobs is not None:
-                    out.logprobs[rid] = TokenLogprobs(
-                        tokens[i],
-                        float(result.logprobs[i]),
-                        int(result.ranks[i]) if result.ranks is not None else 0,
-                        result.top_ids[i, :k].tolist() if result.top_ids is not None else [],
-                        result.top_logprobs[i, :k].tolist()
+            self._collect(sched, result, rows, out)
+        return out
+
+    @staticmethod
+    def _collect(
+        sched: SchedulerOutput, result: SamplerOutput, rows: list[SamplingRow], out: RunnerOutput
+    ) -> None:
+        """Each sampled request's tokens: its row's token, or with drafts the model's tokens
+        while each equals the draft it checks, then the first that does not (or the one after
+        the last draft). Row i was sampled given drafts[:i], so it counts only if those held:
+        with a draft treated as a proposal of probability one, this is exact speculative
+        sampling (P(accept d) = p(d); a rejection leaves a sample of p given it is not d)."""
+        tokens = result.token_ids.tolist()
+        i = 0
+        for sr in sched.scheduled:
+            if not sr.sample:
+                continue
+            rid, draft = sr.request.request_id, sr.draft_token_ids
+            n = 1
+            while n <= len(draft) and tokens[i + n - 1] == draft[n - 1]:
+                n += 1
+            out.sampled[rid] = tokens[i : i + n]
+            out.num_draft_tokens += len(draft)
+            out.num_accepted_tokens += n - 1
+            k = rows[i].params.logprobs
+            if k is not None and result.logprobs is not None:
+                out.logprobs[rid] = [
+                    TokenLogprobs(
+                        tokens[j],
+                        float(result.logprobs[j]),
+                        int(result.ranks[j]) if result.ranks is not None else 0,
+                        result.top_ids[j, :k].tolist() if result.top_ids is not None else [],
+                        result.top_logprobs[j, :k].tolist()
                         if result.top_logprobs is not None
                         else [],
                     )
-        return out
+                    for j in range(i, i + n)
+                ]
+            i += len(draft) + 1
