@@ -76,10 +76,12 @@ def _assert_same(alone, batched, tol: float):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    """Outputs of every request run alone, prefix caching off, one sequence at a time."""
+    """Outputs of every request run alone, prefix caching off, one sequence at a time, without
+    prompt-lookup drafts."""
     path, vocab = model.path, model.vocab
     llm = LLM(
         path,
+        num_speculative_tokens=0,
         kv_cache_dtype=model.kv_dtype,
         kv_cache_bytes=8 << 20,
         block_size=8,
@@ -109,6 +111,8 @@ def reference(model):
         # NOTE: a fixed step budget (the CPU's default one follows measured step times, so
         # whether the 16 requests preempt depended on the load), and a pool small enough to
         # preempt though each step first gives back every running request's out-of-window blocks.
+        # No drafts: they finish the last requests in fewer steps, and the pool no longer
+        # preempts (drafts under preemption: tests/scheduler/test_equivalence.py).
         (
             "preempted",
             dict(
@@ -116,6 +120,7 @@ def reference(model):
                 max_num_seqs=16,
                 max_num_batched_tokens=256,
                 cpu_budget_step_ms=None,
+                num_speculative_tokens=0,
             ),
         ),
         # Prompt-lookup drafts (1-token suffixes: the random prompts repeat few longer ones):
@@ -128,6 +133,7 @@ def reference(model):
                 max_num_batched_tokens=64,
                 num_speculative_tokens=4,
                 prompt_lookup_min=1,
+                speculative_max_num_seqs=16,
             ),
         ),
     ],
@@ -170,6 +176,7 @@ def test_drafts_the_model_rejects_change_nothing(model, reference):
         steps: list[StepStats] = []
         llm = LLM(path, block_size=8, kv_cache_bytes=8 << 20, kv_cache_dtype=model.kv_dtype,
                   max_num_seqs=16, num_speculative_tokens=drafts, prompt_lookup_min=1,
+                  speculative_max_num_seqs=16,
                   on_step=steps.append)  # fmt: skip
         runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS))
         assert_pool_clean(llm.engine.kv)

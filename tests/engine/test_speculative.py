@@ -19,7 +19,8 @@ from tidal.sampling_params import SamplingParams
 from tidal.scheduler.output import ScheduledRequest, SchedulerOutput
 from tidal.worker.model_runner import ModelRunner, RunnerOutput
 
-DRAFTS = dict(num_speculative_tokens=4, prompt_lookup_min=1)
+DRAFTS = dict(num_speculative_tokens=4, prompt_lookup_min=1, speculative_max_num_seqs=8)
+NO_DRAFTS = dict(num_speculative_tokens=0)
 
 
 def _run(model_dir, requests: dict[str, tuple[list[int], SamplingParams]], **kwargs):
@@ -49,12 +50,10 @@ def test_every_sampling_field_holds_with_drafts(tiny_model_dir):
         "short": (prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)),
         "seeded": (prompt, SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True)),
     }  # fmt: skip
-    plain, _, _ = _run(tiny_model_dir, requests)
+    plain, _, _ = _run(tiny_model_dir, requests, **NO_DRAFTS)
     spec, drafted, accepted = _run(tiny_model_dir, requests, **DRAFTS)
     assert 0 < accepted < drafted
-    for rid in requests:
-        if rid == "seeded":
-            continue  # drafts change how many draws a step takes: checked below
+    for rid in requests:  # a seeded token's noise is its own (seed, index)'s: the same too
         a, b = plain[rid].outputs[0], spec[rid].outputs[0]
         assert a.token_ids == b.token_ids, rid
         assert a.finish_reason == b.finish_reason, rid
@@ -63,9 +62,7 @@ def test_every_sampling_field_holds_with_drafts(tiny_model_dir):
             for tid, lp in la.items():
                 assert abs(lp.logprob - lb[tid].logprob) < 1e-4
     assert len(spec["short"].outputs[0].token_ids) == 3
-    # A seeded request is reproducible with drafts: alone, and beside the others.
-    alone, _, _ = _run(tiny_model_dir, {"seeded": requests["seeded"]}, **DRAFTS)
-    assert alone["seeded"].outputs[0].token_ids == spec["seeded"].outputs[0].token_ids
+    assert len(set(spec["seeded"].outputs[0].token_ids)) > 3  # really sampled
 
 
 def _scheduled(rid: str, draft: list[int]) -> ScheduledRequest:

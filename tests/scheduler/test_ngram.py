@@ -93,6 +93,18 @@ def test_a_decode_gets_drafts_within_max_tokens_and_the_budget() -> None:
     assert out.num_batched_tokens == 3
 
 
+def test_no_drafts_while_more_sequences_decode_than_speculative_max_num_seqs() -> None:
+    for names, drafted in (("abc", False), ("ab", True)):
+        s = _scheduler(speculative_max_num_seqs=2)
+        reqs = [
+            Request(r, PROMPT, SamplingParams(temperature=0, max_tokens=20), 0.0) for r in names
+        ]
+        for r in reqs:
+            s.add_request(r)
+        s.update_from_output(s.schedule(), {r.request_id: [7] for r in reqs})
+        assert [bool(x.draft_token_ids) for x in s.schedule().scheduled] == [drafted] * len(names)
+
+
 def test_rejected_drafts_are_computed_again() -> None:
     s = _scheduler()
     req = _decoding(s, "a", PROMPT, max_tokens=20)

@@ -82,10 +82,10 @@ TARGETS: dict[str, Target] = {
             "latency: steps of ~300 ms from the cost model while anything decodes (CPU)",
         ),  # fmt: skip
         Target(
-            "tidal-ngram",
+            "tidal-no-spec",
             "tidal",
-            ("--num-speculative-tokens", "4"),
-            "speed: prompt-lookup speculative decoding, up to 4 drafts a step",
+            ("--num-speculative-tokens", "0"),
+            "ablation: no prompt-lookup drafts (the default checks up to 4 a step)",
         ),  # fmt: skip
         Target("tidal-no-chunked-prefill", "tidal", ("--no-chunked-prefill",), "ablation"),
         Target("tidal-max-num-seqs-1", "tidal", ("--max-num-seqs", "1"), "ablation: no batching"),

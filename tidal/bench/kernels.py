@@ -235,6 +235,9 @@ def run_tidal(
     from tidal.loader.model_loader import read_arch
 
     arch, _ = read_arch(model)
+    # llama-bench's tg128 and the profile measure one token a step: no prompt-lookup drafts
+    # (--tidal-arg num_speculative_tokens=4 measures them).
+    tidal_args = {"num_speculative_tokens": 0, **tidal_args}
     llm = LLM(str(model), threads=cfg.threads, **tidal_args)
     prompts = _Prompts(cfg.seed, arch.vocab_size, arch.bos_token_id)
     settings = {"args": tidal_args, "threads": torch.get_num_threads(), "torch": torch.__version__,

@@ -88,6 +88,7 @@ class StaticBatcher:
             enable_prefix_caching=False,
             enable_chunked_prefill=False,
             cpu_budget_step_ms=None,  # a fixed budget: the step holds the whole batch's prefill
+            num_speculative_tokens=0,  # one token per sequence a step, in lockstep
             **llm_kwargs,
         )
         self.max_num_batched_tokens: int = llm_kwargs["max_num_batched_tokens"]

@@ -121,6 +121,11 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "are the same as without (0: off)",
         "--num-speculative-tokens",
     ),
+    "batching.speculative_max_num_seqs": KeyDoc(
+        "drafts only in steps with at most this many decoding sequences (a large batch pays "
+        "for each draft row)",
+        "--speculative-max-num-seqs",
+    ),
     "batching.prompt_lookup_max": KeyDoc(
         "the longest suffix prompt lookup searches for (tried first)", "--prompt-lookup-max"
     ),

@@ -29,7 +29,7 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    # A per-request generator made from params.seed with `make_generator`; None -> the sampler's own.
+    # The row's own generator (a seeded request's, made with `make_generator`); None -> the sampler's.
     generator: torch.Generator | None = None
     # The model's EOS ids; suppressed with params.stop_token_ids until min_tokens are generated.
     eos_token_ids: Collection[int] = field(default_factory=frozenset)

@@ -209,6 +209,7 @@ class Scheduler:
         # decode in, and an older request's chunk must not take a decode's token.
         ordered = sorted(self._running, key=lambda r: r.num_uncomputed_tokens != 1)
         decodes_left = sum(1 for r in ordered if r.num_uncomputed_tokens == 1)
+        drafting = decodes_left <= self.config.speculative_max_num_seqs
         for request in ordered:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted or failed earlier in this loop
@@ -225,7 +226,7 @@ class Scheduler:
                 decodes_left -= 1
                 # Drafts take budget the other decodes do not need, and blocks that are free:
                 # no one is preempted for a guess.
-                draft = self._draft(request, budget - 1 - decodes_left)
+                draft = self._draft(request, budget - 1 - decodes_left) if drafting else []
                 if draft:
                     tables = self.kv.allocate_slots(request, num_new + len(draft))
                     draft = draft if tables is not None else []

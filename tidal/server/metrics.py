@@ -54,7 +54,7 @@ class ServerMetrics:
         self.num_replicas = num_replicas
         rl = ["replica"] if num_replicas > 1 else []  # the label of what one engine feeds
         self.ttft = Histogram("tidal:time_to_first_token_seconds", "Arrival to first token.", buckets=_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
-        self.itl = Histogram("tidal:inter_token_latency_seconds", "Gap between output tokens.", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
+        self.itl = Histogram("tidal:inter_token_latency_seconds", "Gap between the steps that bring a request output tokens (tokens of accepted drafts arrive together, in one).", buckets=_ITL_BUCKETS_S, registry=r)  # fmt: skip
         self.e2e = Histogram("tidal:e2e_request_latency_seconds", "Arrival to finish.", buckets=_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
         self.queue_time = Histogram("tidal:request_queue_time_seconds", "Arrival to first scheduled.", buckets=_LATENCY_BUCKETS_S, registry=r)  # fmt: skip
         self.running = Gauge("tidal:num_requests_running", "Sequences running in the engine.", labelnames=rl, registry=r)  # fmt: skip
@@ -195,7 +195,8 @@ class RequestTracker:
             if t.first_scheduled_time_s is not None:
                 m.queue_time.observe(max(0.0, t.first_scheduled_time_s - t.arrival_time_s))
         elif num_new and out.last_token_time_s is not None and self._last_token_time_s is not None:
-            # One step usually brings one token per choice: the gap is one inter-token latency.
+            # The gap a streaming client sees: one per step that brings tokens (one per choice,
+            # or several with accepted drafts), as vLLM counts it per iteration.
             m.itl.observe(max(0.0, out.last_token_time_s - self._last_token_time_s))
         if out.last_token_time_s is not None:
             self._last_token_time_s = out.last_token_time_s

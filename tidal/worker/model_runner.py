@@ -29,6 +29,10 @@ from tidal.worker.kv_cache import allocate_kv_caches
 # Scored prompt rows whose logits are computed at once (64 MiB of float32 for a 262k-token
 # vocabulary); prompt_logprobs then takes them in float64.
 PROMPT_LOGITS_ROWS = 64
+# A seeded row's generator seed: (seed * _SEED_MIX + output index) mod 2^64 (mt19937's seeding
+# scrambles neighbouring seeds into unrelated streams).
+_SEED_MIX = 0x9E3779B97F4A7C15
+_U64 = (1 << 64) - 1
 
 
 @dataclass(slots=True)
@@ -89,7 +93,6 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(layout, num_blocks, kv_dtype, self.device)
         self.sampler = Sampler(loaded.arch.vocab_size, self.device)
-        self._generators: dict[str, torch.Generator] = {}
         self._moe_layers = [m for m in self.model.modules() if isinstance(m, SparseMoE)]
         self._logits: torch.Tensor | None = None  # the sampled rows' logits buffer: _logits_out
         # Set by the engine (it has the tokenizer); None serves no constrained request.
@@ -98,7 +101,6 @@ class ModelRunner:
 
     def release(self, request_id: str) -> None:
         """Forget a finished request's sampling state."""
-        self._generators.pop(request_id, None)
         if self.grammars is not None:
             self.grammars.release(request_id)
 
@@ -123,13 +125,14 @@ class ModelRunner:
 
         return self._mask_pool.submit(fill)
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator(self, seed: int | None, output_index: int) -> torch.Generator | None:
+        """A seeded request's noise for its output token `output_index`: a stream of its own
+        per (seed, index), so the token depends on neither the batch, nor preemption, nor how
+        many draft rows a step checked before it (a stream shared across a request's rows
+        would shift with each of those)."""
         if seed is None:
             return None
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = self._generators[request_id] = make_generator(seed, self.device)
-        return gen
+        return make_generator((seed * _SEED_MIX + output_index) & _U64, self.device)
 
     @torch.inference_mode()
     def forward(
@@ -217,9 +220,9 @@ class ModelRunner:
                 if last > sr.start:
                     prompt_rows.append((req.request_id, flat, sr.start, last - sr.start))
             if sr.sample:
-                generator = self._generator(req.request_id, req.sampling_params.seed)
+                seed = req.sampling_params.seed
                 # Row i samples as if the first i drafts were already the outputs (penalties,
-                # min_tokens), which is what they are if the model keeps them.
+                # min_tokens, its noise), which is what they are if the model keeps them.
                 for i in range(len(draft) + 1):
                     sample_rows.append(len(ids) - 1 - len(draft) + i)
                     rows.append(
@@ -229,7 +232,7 @@ class ModelRunner:
                             output_token_ids=req.output_token_ids + draft[:i]
                             if i
                             else req.output_token_ids,
-                            generator=generator,
+                            generator=self._generator(seed, req.num_output_tokens + i),
                             eos_token_ids=req.eos_token_ids,
                         )
                     )
