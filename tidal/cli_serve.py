@@ -64,7 +64,11 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the config; print it with --print-config, else serve until SIGINT/SIGTERM. Exit code."""
-    flags = cli_overrides_from_args(args)
+    try:
+        flags = cli_overrides_from_args(args)
+    except ValueError as e:
+        print(f"tidal serve: {e}", file=sys.stderr)
+        return 2
     positional = getattr(args, "model_path", None)
     if positional is not None:
         if flags.get("model.path", positional) != positional:

@@ -150,6 +150,41 @@ def test_vllm_flag_names_set_the_same_keys() -> None:
     }
 
 
+def test_vllm_speculative_config_sets_the_drafting_keys() -> None:
+    spec = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 3}'
+    flags = _parse(["--speculative-config", spec])
+    assert flags == {
+        "batching.num_speculative_tokens": 5,
+        "batching.prompt_lookup_max": 3,
+        "batching.prompt_lookup_min": 3,  # as vLLM: one bound alone sets the other
+    }
+    cfg = load_config(None, {}, flags).engine.scheduler
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (5, 3, 3)
+    # The same value through tidal's own flag is fine; a different one is refused.
+    assert _parse(["--speculative-config", spec, "--num-speculative-tokens", "5"]) == flags
+    with pytest.raises(ValueError, match="give one"):
+        _parse(["--speculative-config", spec, "--num-speculative-tokens", "2"])
+
+
+@pytest.mark.parametrize(
+    "spec,why",
+    [
+        ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3}', "not served"),
+        ('{"model": "some/draft-model", "num_speculative_tokens": 3}', "a draft model is not"),
+        ('{"method": "ngram", "disable_by_batch_size": 8}', "disable_by_batch_size"),
+        ('{"method": "ngram", "num_speculative_tokens": "4"}', "integer"),
+        ("[1]", "expected a JSON object"),
+        ("{method: ngram}", "not JSON"),
+    ],
+)
+def test_speculative_configs_tidal_cannot_honour_are_refused(spec, why, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--speculative-config", spec])
+    assert info.value.code == 2 and why in capsys.readouterr().err
+
+
 def test_serve_takes_the_model_as_vllm_serve_does(tmp_path: Path) -> None:
     from tidal.cli_serve import main
 

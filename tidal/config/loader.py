@@ -19,6 +19,7 @@ training setting, is refused with the reason (`tidal.config.key_docs.SEED_KEYS`)
 from __future__ import annotations
 
 import argparse
+import json
 import typing
 from collections.abc import Mapping
 
@@ -282,13 +283,81 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                 *names, default=None, type=_arg_type(key), choices=_CHOICES.get(full),
                 help=help_text,
             )  # fmt: skip
+    parser.add_argument(
+        "--speculative-config",
+        default=None,
+        type=_speculative_arg,
+        metavar="JSON",
+        help='vLLM\'s form of the drafting keys: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup is the one method)',
+    )
+
+
+def _speculative_arg(text: str) -> dict[str, int]:
+    try:
+        return parse_speculative_config(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def cli_overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
-    """`section.key -> value` for the flags actually given (an explicit `none` becomes None)."""
+    """`section.key -> value` for the flags actually given (an explicit `none` becomes None);
+    ValueError when --speculative-config and a flag of its own set one key differently."""
     out: dict[str, object] = {}
     for flag, full, _ in _FLAGS:
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             out[full] = None if value is _NULL else value
+    for full, value in (getattr(args, "speculative_config", None) or {}).items():
+        if out.get(full, value) != value:
+            raise ValueError(
+                f"--speculative-config sets {full} to {value!r} and {FLAG_OF[full]} to "
+                f"{out[full]!r}: give one"
+            )
+        out[full] = value
     return out
+
+
+# vLLM's --speculative-config fields tidal serves, and the keys they set.
+_SPECULATIVE_FIELDS = {
+    "num_speculative_tokens": "batching.num_speculative_tokens",
+    "prompt_lookup_max": "batching.prompt_lookup_max",
+    "prompt_lookup_min": "batching.prompt_lookup_min",
+}
+
+
+def parse_speculative_config(text: str) -> dict[str, int]:
+    """vLLM's `--speculative-config` JSON as tidal's keys (its errors read after the flag's
+    name). Only its "ngram" method (prompt lookup) exists here; a draft model, EAGLE, Medusa or
+    MTP is refused, not ignored. As in vLLM, one lookup bound given alone sets the other too."""
+    try:
+        spec = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"not JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError("expected a JSON object")
+    method = spec.get("method")
+    if method != "ngram":
+        what = f"method {method!r}" if method is not None else "a draft model"
+        raise ValueError(
+            f"{what} is not served: tidal drafts by prompt lookup only "
+            '({"method": "ngram", "num_speculative_tokens": N, "prompt_lookup_max": N, '
+            '"prompt_lookup_min": N})'
+        )
+    unknown = sorted(set(spec) - {"method", *_SPECULATIVE_FIELDS})
+    if unknown:
+        raise ValueError(
+            f"fields {unknown} are not served (ngram takes {', '.join(_SPECULATIVE_FIELDS)})"
+        )
+    values: dict[str, int] = {}
+    for name in _SPECULATIVE_FIELDS:
+        value = spec.get(name)
+        if value is not None and (type(value) is not int or value < 0):
+            raise ValueError(f"{name}={value!r} is not an integer >= 0")
+        if value is not None:
+            values[name] = value
+    if "prompt_lookup_max" in values and "prompt_lookup_min" not in values:
+        values["prompt_lookup_min"] = values["prompt_lookup_max"]
+    if "prompt_lookup_min" in values and "prompt_lookup_max" not in values:
+        values["prompt_lookup_max"] = values["prompt_lookup_min"]
+    return {_SPECULATIVE_FIELDS[name]: value for name, value in values.items()}
