@@ -28,12 +28,16 @@ tidal:num_requests_waiting 3.0
 tidal:num_requests_running 2.0
 tidal:kv_cache_usage_ratio 0.25
 tidal:num_preemptions_total 4.0
+tidal:spec_decode_num_draft_tokens_total 100.0
+tidal:spec_decode_num_accepted_tokens_total 60.0
 tidal:batch_utilization_bucket{le="1.0"} 10.0
 tidal:batch_utilization_count 10.0
 tidal:batch_utilization_sum 5.0
 """
 METRICS_T1 = METRICS_T0.replace("_count 10.0", "_count 14.0").replace("_sum 5.0", "_sum 8.0")
 METRICS_T1 = METRICS_T1.replace("preemptions_total 4.0", "preemptions_total 6.0")
+METRICS_T1 = METRICS_T1.replace("draft_tokens_total 100.0", "draft_tokens_total 140.0")
+METRICS_T1 = METRICS_T1.replace("accepted_tokens_total 60.0", "accepted_tokens_total 90.0")
 
 
 def _record(
@@ -95,6 +99,8 @@ def test_parse_metrics_and_probe_batch_utilization() -> None:
     assert s1.batch_utilization == pytest.approx(3.0 / 4.0)
     summary = summarize_samples([s0, s1, ProbeSample(1.0, rss_bytes=123)])
     assert summary.num_preemptions == 2.0 and summary.max_waiting == 3.0
+    assert summary.draft_acceptance == pytest.approx(30 / 40)  # of the run's 40 drafts, 30 kept
+    assert summarize_samples([s0, s0]).draft_acceptance is None  # none drafted in the run
     assert summary.peak_rss_bytes == 123 and summary.num_samples == 3
     assert summary.peak_pss_bytes is None  # no sample had it
 
@@ -134,7 +140,7 @@ def test_report_writers(tmp_path: Path) -> None:
     lines = table.strip().splitlines()
     assert len(lines) == 5
     assert lines[2].startswith("| tidal | rate=2/s | 3/4 | 1.07 | 6.8 | 1.07 | 200/280/298 |")
-    assert lines[2].endswith("| 3 | 0.50 | 0.20 | 0 | 10 | 6 |")
+    assert lines[2].endswith("| 3 | 0.50 | 0.20 | 0 | - | 10 | 6 |")
     assert lines[3].startswith("| tidal | rate=inf/s | 0/1 | 0.00 | 0.0 | 0.00 | -/-/- |")
     path = tmp_path / "r.json"
     write_json(path, [a, b, c], [_records(), _records()[3:], _records()[:2]], {"note": "x"})

@@ -28,6 +28,7 @@ _COLUMNS = (
     ("util", "batch util"),
     ("kv", "max KV"),
     ("pre", "preempt"),
+    ("acc", "draft acc"),
     ("rss", "peak RSS MiB"),
     ("pss", "peak PSS MiB"),
 )
@@ -53,6 +54,7 @@ def _row(s: RunStats) -> dict[str, str]:
         "util": _num(srv.mean_batch_utilization, ".2f"),
         "kv": _num(srv.max_kv_usage, ".2f"),
         "pre": _num(srv.num_preemptions),
+        "acc": _num(srv.draft_acceptance, ".2f"),
         "rss": _num(None if srv.peak_rss_bytes is None else srv.peak_rss_bytes / 2**20),
         "pss": _num(None if srv.peak_pss_bytes is None else srv.peak_pss_bytes / 2**20),
     }

@@ -12,6 +12,8 @@ _WAITING = ("tidal:num_requests_waiting", "vllm:num_requests_waiting", "llamacpp
 _RUNNING = ("tidal:num_requests_running", "vllm:num_requests_running", "llamacpp:requests_processing", "hf_static:num_requests_running")  # fmt: skip
 _KV = ("tidal:kv_cache_usage_ratio", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "llamacpp:kv_cache_usage_ratio")  # fmt: skip
 _PREEMPTIONS = ("tidal:num_preemptions_total", "vllm:num_preemptions_total")
+_DRAFTS = ("tidal:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_draft_tokens_total")
+_ACCEPTED = ("tidal:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_total")  # fmt: skip
 _BATCH_UTIL = (
     "tidal:batch_utilization"  # a histogram: utilization between samples = d(sum)/d(count)
 )
@@ -29,6 +31,9 @@ class ProbeSample:
     batch_utilization: float | None = None  # mean over the steps since the previous sample
     rss_bytes: int | None = None
     pss_bytes: int | None = None  # shared pages split between the processes that map them
+    # Speculative decoding's counters (cumulative): draft tokens checked, and those kept.
+    num_draft_tokens: float | None = None
+    num_accepted_tokens: float | None = None
 
 
 @dataclass(slots=True)
@@ -42,6 +47,8 @@ class ProbeSummary:
     mean_batch_utilization: float | None = None
     max_kv_usage: float | None = None
     num_preemptions: float | None = None
+    # Of the draft tokens checked during the run, the share the model kept; None without any.
+    draft_acceptance: float | None = None
     peak_rss_bytes: int | None = None
     peak_pss_bytes: int | None = None
     samples: list[ProbeSample] = field(default_factory=list)
@@ -154,6 +161,8 @@ class ServerProbe:
         sample.num_running = _first(values, _RUNNING)
         sample.kv_usage = _first(values, _KV)
         sample.num_preemptions = _first(values, _PREEMPTIONS)
+        sample.num_draft_tokens = _first(values, _DRAFTS)
+        sample.num_accepted_tokens = _first(values, _ACCEPTED)
         if _BATCH_UTIL + "_count" in values:
             now = (values[_BATCH_UTIL + "_sum"], values[_BATCH_UTIL + "_count"])
             if self._last_util is not None and now[1] > self._last_util[1]:
@@ -178,6 +187,8 @@ def summarize_samples(samples: list[ProbeSample]) -> ProbeSummary:
         vals("rss_bytes"),
         vals("pss_bytes"),
     )
+    drafted, accepted = vals("num_draft_tokens"), vals("num_accepted_tokens")
+    drafts_in_run = drafted[-1] - drafted[0] if drafted else 0.0
     return ProbeSummary(
         num_samples=len(samples),
         max_waiting=max(waiting) if waiting else None,
@@ -187,6 +198,9 @@ def summarize_samples(samples: list[ProbeSample]) -> ProbeSummary:
         max_kv_usage=max(kv) if kv else None,
         # The counter is cumulative since the server started: the run's share is last - first.
         num_preemptions=pre[-1] - pre[0] if pre else None,
+        draft_acceptance=(accepted[-1] - accepted[0]) / drafts_in_run
+        if drafts_in_run > 0 and accepted
+        else None,
         peak_rss_bytes=int(max(rss)) if rss else None,
         peak_pss_bytes=int(max(pss)) if pss else None,
         samples=samples,
