@@ -105,6 +105,27 @@ def test_no_drafts_while_more_sequences_decode_than_speculative_max_num_seqs() -
         assert [bool(x.draft_token_ids) for x in s.schedule().scheduled] == [drafted] * len(names)
 
 
+def test_lookup_indexes_go_once_more_than_twice_the_drafting_batch_hold_one() -> None:
+    s = _scheduler(speculative_max_num_seqs=2)
+    reqs = [Request(r, PROMPT, SamplingParams(temperature=0, max_tokens=20), 0.0) for r in "abcdef"]
+    for r in reqs[:2]:
+        s.add_request(r)
+    s.update_from_output(s.schedule(), {r.request_id: [7] for r in reqs[:2]})
+    out = s.schedule()  # two decode with drafts: two indexes
+    assert s._drafter is not None and len(s._drafter) == 2
+    s.update_from_output(out, {x.request.request_id: [1] for x in out.scheduled})
+    for r in reqs[2:]:  # four more prefill, then six decode: no drafts, the two indexes stay
+        s.add_request(r)
+    s.update_from_output(s.schedule(), {r.request_id: [7] for r in reqs[2:]})
+    out = s.schedule()
+    assert not any(x.draft_token_ids for x in out.scheduled)
+    assert len(s._drafter) == 2
+    s.update_from_output(out, {x.request.request_id: [2] for x in out.scheduled})
+    s._drafter._indexes.update({f"gone-{i}": s._drafter._indexes["a"] for i in range(3)})
+    s.schedule()  # five indexes > 2 x 2, and no drafts this step: all go
+    assert len(s._drafter) == 0
+
+
 def test_rejected_drafts_are_computed_again() -> None:
     s = _scheduler()
     req = _decoding(s, "a", PROMPT, max_tokens=20)
