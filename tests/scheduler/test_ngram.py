@@ -14,8 +14,9 @@ from tidal.kv.manager import KVCacheManager
 from tidal.request import Request
 from tidal.sampling_params import SamplingParams, StructuredOutputs
 from tidal.scheduler.controller import BatchController
+from tidal.scheduler.cost_model import StepShape
 from tidal.scheduler.ngram import NgramProposer
-from tidal.scheduler.scheduler import Scheduler
+from tidal.scheduler.scheduler import Scheduler, _shape
 
 
 def test_the_longest_suffix_that_occurred_before_proposes_what_followed_it() -> None:
@@ -124,6 +125,14 @@ def test_lookup_indexes_go_once_more_than_twice_the_drafting_batch_hold_one() ->
     s._drafter._indexes.update({f"gone-{i}": s._drafter._indexes["a"] for i in range(3)})
     s.schedule()  # five indexes > 2 x 2, and no drafts this step: all go
     assert len(s._drafter) == 0
+
+
+def test_the_cost_model_counts_a_draft_as_a_decode_row() -> None:
+    s = _scheduler()
+    _decoding(s, "a", PROMPT, max_tokens=20)
+    out = s.schedule()  # one decode with 4 drafts: five rows through the LM head and sampler
+    assert _shape(out) == StepShape(0, 5, _shape(out).attended_keys)
+    assert (s.stats.num_decode_seqs, s.stats.num_prefill_tokens) == (1, 0)
 
 
 def test_rejected_drafts_are_computed_again() -> None:

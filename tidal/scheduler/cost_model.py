@@ -30,7 +30,9 @@ class StepShape:
     """What a step computes, in the units the cost model fits."""
 
     num_prefill_tokens: int  # tokens of prefill chunks (not decodes)
-    num_decode_seqs: int  # sequences computing one token from existing KV
+    # Sequences computing one token from existing KV, plus the draft tokens they check (a draft
+    # row costs what a decode row does: the model, the LM head, the sampler).
+    num_decode_seqs: int
     attended_keys: int  # sum over every computed query of the keys it attends to
 
     def features(self) -> tuple[float, float, float, float]:

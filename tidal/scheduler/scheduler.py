@@ -486,8 +486,9 @@ def _shape(output: SchedulerOutput) -> StepShape:
     for s in output.scheduled:
         keys += chunk_attended_keys(s.start, s.num_tokens)
         if _is_decode(s):
-            decodes += 1
-            prefill_tokens += len(s.draft_token_ids)  # rows beside the decode's, as a chunk's
+            # A draft is one more row of the model, LM head and sampler, as a decode is (a
+            # prompt token skips the last two, much of a decode row's cost here).
+            decodes += 1 + len(s.draft_token_ids)
         else:
             prefill_tokens += s.num_tokens
     return StepShape(prefill_tokens, decodes, keys)
