@@ -42,14 +42,14 @@ class NgramProposer:
         if k <= 0 or len(tokens) <= self.min_n:
             return []
         index = self._indexes.get(key)
-        if index is None or index.indexed > len(tokens):
+        if index is None:
             index = self._indexes[key] = _Index()
         last = len(tokens) - 1
         # Index the n-grams ending before the last token: the suffix itself must not match.
         for end in range(index.indexed, last):
             for n in range(self.min_n, min(self.max_n, end + 1) + 1):
                 index.after[tuple(tokens[end - n + 1 : end + 1])] = end + 1
-        index.indexed = max(index.indexed, last)
+        index.indexed = last
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
             start = index.after.get(tuple(tokens[last - n + 1 :]))
             if start is not None:
