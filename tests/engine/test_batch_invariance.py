@@ -134,6 +134,7 @@ def reference(model):
                 num_speculative_tokens=4,
                 prompt_lookup_min=1,
                 speculative_max_num_seqs=16,
+                speculative_step_rows=1000.0,  # every proposal checked, kept or not
             ),
         ),
     ],
@@ -176,7 +177,7 @@ def test_drafts_the_model_rejects_change_nothing(model, reference):
         steps: list[StepStats] = []
         llm = LLM(path, block_size=8, kv_cache_bytes=8 << 20, kv_cache_dtype=model.kv_dtype,
                   max_num_seqs=16, num_speculative_tokens=drafts, prompt_lookup_min=1,
-                  speculative_max_num_seqs=16,
+                  speculative_max_num_seqs=16, speculative_step_rows=1000.0,
                   on_step=steps.append)  # fmt: skip
         runs.append(llm.generate(prompt_token_ids=prompts, sampling_params=PARAMS))
         assert_pool_clean(llm.engine.kv)

@@ -19,7 +19,9 @@ from tidal.sampling_params import SamplingParams
 from tidal.scheduler.output import ScheduledRequest, SchedulerOutput
 from tidal.worker.model_runner import ModelRunner, RunnerOutput
 
-DRAFTS = dict(num_speculative_tokens=4, prompt_lookup_min=1, speculative_max_num_seqs=8)
+# A step price of 1,000 rows: every proposal is checked, whatever its sequence's record.
+DRAFTS = dict(num_speculative_tokens=4, prompt_lookup_min=1, speculative_max_num_seqs=8,
+              speculative_step_rows=1000.0)  # fmt: skip
 NO_DRAFTS = dict(num_speculative_tokens=0)
 
 

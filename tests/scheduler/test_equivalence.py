@@ -82,7 +82,7 @@ def test_outputs_match_the_reference(case: str, drafts: int) -> None:
     cache_config = CacheConfig(block_size=BS, enable_prefix_caching=prefix)  # type: ignore[arg-type]
     kv = KVCacheManager(layout, num_blocks, cache_config, clock=clock)  # type: ignore[arg-type]
     spec = dict(num_speculative_tokens=drafts, prompt_lookup_min=1, prompt_lookup_max=3,
-                speculative_max_num_seqs=8)  # fmt: skip
+                speculative_max_num_seqs=8, speculative_step_rows=1000.0)  # fmt: skip
     config = SchedulerConfig(**{"max_num_batched_tokens": 64, "max_num_seqs": 8, **spec, **opts})  # type: ignore[arg-type]
     sched = Scheduler(config, cache_config, kv, clock=clock)
     model_next = copying_next_token if drafts else next_token

@@ -55,7 +55,10 @@ def _scheduler(num_blocks: int = 64, **config: object) -> Scheduler:
     layout = KVLayout.from_layer_windows([None], block_size=8, num_kv_heads=1, head_dim=4, dtype_bytes=2)  # fmt: skip
     cache = CacheConfig(block_size=8)  # type: ignore[arg-type]
     kv = KVCacheManager(layout, num_blocks, cache, clock=FakeClock())  # type: ignore[arg-type]
-    opts = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, **config}
+    # A step price of 1,000 rows: every proposal is checked (DraftPlanner's choice is tested
+    # in test_drafting.py).
+    opts = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "speculative_step_rows": 1000.0}
+    opts.update(config)
     return Scheduler(SchedulerConfig(**opts), cache, kv, clock=FakeClock())  # type: ignore[arg-type]
 
 
@@ -113,18 +116,19 @@ def test_lookup_indexes_go_once_more_than_twice_the_drafting_batch_hold_one() ->
         s.add_request(r)
     s.update_from_output(s.schedule(), {r.request_id: [7] for r in reqs[:2]})
     out = s.schedule()  # two decode with drafts: two indexes
-    assert s._drafter is not None and len(s._drafter) == 2
+    assert s._drafter is not None and len(s._drafter.proposer) == 2
     s.update_from_output(out, {x.request.request_id: [1] for x in out.scheduled})
     for r in reqs[2:]:  # four more prefill, then six decode: no drafts, the two indexes stay
         s.add_request(r)
     s.update_from_output(s.schedule(), {r.request_id: [7] for r in reqs[2:]})
     out = s.schedule()
     assert not any(x.draft_token_ids for x in out.scheduled)
-    assert len(s._drafter) == 2
+    assert len(s._drafter.proposer) == 2
     s.update_from_output(out, {x.request.request_id: [2] for x in out.scheduled})
-    s._drafter._indexes.update({f"gone-{i}": s._drafter._indexes["a"] for i in range(3)})
+    indexes = s._drafter.proposer._indexes
+    indexes.update({f"gone-{i}": indexes["a"] for i in range(3)})
     s.schedule()  # five indexes > 2 x 2, and no drafts this step: all go
-    assert len(s._drafter) == 0
+    assert len(s._drafter.proposer) == 0
 
 
 def test_the_cost_model_counts_a_draft_as_a_decode_row() -> None:

@@ -122,9 +122,14 @@ KEY_DOCS: dict[str, KeyDoc] = {
         "--num-speculative-tokens",
     ),
     "batching.speculative_max_num_seqs": KeyDoc(
-        "drafts only in steps with at most this many decoding sequences (a large batch pays "
-        "for each draft row)",
+        "drafts only in steps with at most this many decoding sequences",
         "--speculative-max-num-seqs",
+    ),
+    "batching.speculative_step_rows": KeyDoc(
+        "a decode step's fixed cost (reading the weights) in batch rows: a draft token is "
+        "checked where its chance of being kept, from its sequence's recent drafts, is worth "
+        "one more row at that price",
+        "--speculative-step-rows",
     ),
     "batching.prompt_lookup_max": KeyDoc(
         "the longest suffix prompt lookup searches for (tried first)", "--prompt-lookup-max"

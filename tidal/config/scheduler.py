@@ -51,10 +51,16 @@ class SchedulerConfig:
     # a shorter one matches more often.
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    # Drafts only in steps with at most this many decoding sequences: a draft row costs what a
-    # sequence's row costs, which a large batch no longer hides behind the weight reads (on 2
-    # Xeon cores, 16 sequences ran 0.87x as fast with drafts, 4 ran faster; benchmarks/README.md).
-    speculative_max_num_seqs: int = 4
+    # Drafts only in steps with at most this many decoding sequences (which ones, and how many
+    # tokens each, is DraftPlanner's choice: by each sequence's recent acceptance against the
+    # step cost below); more would hold a lookup index each for little gain.
+    speculative_max_num_seqs: int = 16
+    # A decode step's fixed cost (reading every weight) in rows of the batch: a draft is checked
+    # where its chance of being kept is worth a row at that price (DraftPlanner). On 2 Xeon cores
+    # with the bundled model, a 16-sequence step took ~28 ms and each further row ~1 ms (~12 rows
+    # of fixed cost); 8 is on the cautious side of that. A GPU hides many more rows behind its
+    # reads.
+    speculative_step_rows: float = 8.0
 
     def __post_init__(self) -> None:
         check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "an integer >= 1")
@@ -95,6 +101,12 @@ class SchedulerConfig:
             "speculative_max_num_seqs",
             self.speculative_max_num_seqs,
             "an integer >= 1",
+        )
+        check(
+            self.speculative_step_rows > 0,
+            "speculative_step_rows",
+            self.speculative_step_rows,
+            "a number of rows > 0",
         )
         check(
             self.prompt_lookup_min >= 1,

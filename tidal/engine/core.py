@@ -16,6 +16,7 @@ from tidal.kv.block_pool import num_blocks_for_budget, num_blocks_for_tokens
 from tidal.kv.layout import KVLayout
 from tidal.kv.manager import KVCacheManager
 from tidal.loader.model_loader import LoadedModel
+from tidal.quant.gguf_blocks import row_block
 from tidal.request import Request, RequestStatus
 from tidal.sampling_params import SamplingParams
 from tidal.scheduler.output import SchedulerOutput
@@ -91,7 +92,14 @@ class EngineCore:
             )
         self.kv = KVCacheManager(self.layout, self.num_blocks, config.cache, clock)
         on_cpu = loaded.device.type == "cpu"
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.kv, clock, on_cpu=on_cpu)
+        self.scheduler = Scheduler(
+            config.scheduler,
+            config.cache,
+            self.kv,
+            clock,
+            on_cpu=on_cpu,
+            row_block=row_block(loaded.model) if on_cpu else 1,
+        )
         # NOTE: with tensor parallelism `loaded.arch` holds this rank's KV heads, so the pool is
         # sized by one rank's memory; every rank allocates the same number of blocks.
         self.runner = (make_executor or ModelRunner)(loaded, self.layout, self.num_blocks, kv_dtype)

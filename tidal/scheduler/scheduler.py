@@ -11,7 +11,7 @@ from tidal.kv.manager import KVCacheManager
 from tidal.request import Request, RequestStatus
 from tidal.scheduler.controller import MIN_PREFILL_TOKENS, BatchController, StepLoad
 from tidal.scheduler.cost_model import StepShape, chunk_attended_keys
-from tidal.scheduler.ngram import NgramProposer
+from tidal.scheduler.drafting import DraftPlanner
 from tidal.scheduler.output import ScheduledRequest, SchedulerOutput
 from tidal.scheduler.queue import WaitingQueue
 from tidal.scheduler.stats import SchedulerStats
@@ -36,6 +36,7 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         on_cpu: bool = False,
         controller: BatchController | None = None,
+        row_block: int = 1,
     ) -> None:
         self.config = config
         # Sets each step's token budget and seat cap; "fixed" (max_num_batched_tokens and
@@ -57,10 +58,9 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.stats = SchedulerStats()
         # Prompt-lookup drafts for decodes (num_speculative_tokens > 0), else None.
+        # row_block: the rows the weight kernels compute at once (DraftPlanner).
         self._drafter = (
-            NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-            if config.num_speculative_tokens > 0
-            else None
+            DraftPlanner(config, row_block) if config.num_speculative_tokens > 0 else None
         )
 
     # ---- requests in and out ------------------------------------------------------------------
@@ -209,13 +209,7 @@ class Scheduler:
         # decode in, and an older request's chunk must not take a decode's token.
         ordered = sorted(self._running, key=lambda r: r.num_uncomputed_tokens != 1)
         decodes_left = sum(1 for r in ordered if r.num_uncomputed_tokens == 1)
-        drafting = decodes_left <= self.config.speculative_max_num_seqs
-        limit = 2 * self.config.speculative_max_num_seqs
-        if not drafting and self._drafter is not None and len(self._drafter) > limit:
-            # Every running request that once drafted keeps an index (32 chats of 6,000 tokens:
-            # ~70 MiB); past twice the drafting batch they go, and a batch that moves around the
-            # threshold does not rebuild them every step (~15 ms for 6,000 tokens).
-            self._drafter.clear()
+        drafts = self._plan_drafts(ordered[:decodes_left], budget)
         for request in ordered:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted or failed earlier in this loop
@@ -232,10 +226,12 @@ class Scheduler:
                 decodes_left -= 1
                 # Drafts take budget the other decodes do not need, and blocks that are free:
                 # no one is preempted for a guess.
-                draft = self._draft(request, budget - 1 - decodes_left) if drafting else []
+                draft = drafts.get(request.request_id, [])[: max(0, budget - 1 - decodes_left)]
                 if draft:
                     tables = self.kv.allocate_slots(request, num_new + len(draft))
                     draft = draft if tables is not None else []
+                if self._drafter is not None:
+                    self._drafter.scheduled(request, len(draft))
             if tables is None:
                 tables = self._allocate_running(request, num_new, scheduled_ids, out)
             if tables is not None:
@@ -436,25 +432,26 @@ class Scheduler:
             draft_token_ids=draft,
         )
 
-    def _draft(self, request: Request, budget: int) -> list[int]:
-        """Prompt-lookup drafts for a decode: at most num_speculative_tokens and `budget`, none
-        past max_tokens or the context limit, none for a grammar-constrained request (its
-        matcher would have to walk each draft)."""
-        if (
-            self._drafter is None
-            or request.sampling_params.structured_outputs is not None
-            or request.num_computed_tokens < request.num_prompt_tokens
-        ):
-            return []
-        k = min(self.config.num_speculative_tokens, budget)
-        max_tokens = request.sampling_params.max_tokens
-        if max_tokens is not None:  # the step emits up to k + 1 tokens
-            k = min(k, max_tokens - request.num_output_tokens - 1)
-        if request.max_model_len is not None:  # the last draft's position must exist
-            k = min(k, request.max_model_len - request.num_tokens)
-        if k <= 0:
-            return []
-        return self._drafter.propose(request.request_id, request.all_token_ids, k)
+    def _plan_drafts(self, decodes: list[Request], budget: int) -> dict[str, list[int]]:
+        """Prompt-lookup drafts for this step's decodes (DraftPlanner), none past max_tokens or
+        the context limit, within the budget the decodes themselves do not need."""
+        if self._drafter is None:
+            return {}
+        if len(decodes) > self.config.speculative_max_num_seqs:
+            # Every running request that once drafted keeps an index (32 chats of 6,000 tokens:
+            # ~70 MiB); past twice the drafting batch they go, and a batch that moves around the
+            # threshold does not rebuild them every step (~15 ms for 6,000 tokens).
+            self._drafter.clear_indexes(2 * self.config.speculative_max_num_seqs)
+        caps: list[tuple[Request, int]] = []
+        for request in decodes:
+            k = self.config.num_speculative_tokens
+            max_tokens = request.sampling_params.max_tokens
+            if max_tokens is not None:  # the step emits up to k + 1 tokens
+                k = min(k, max_tokens - request.num_output_tokens - 1)
+            if request.max_model_len is not None:  # the last draft's position must exist
+                k = min(k, request.max_model_len - request.num_tokens)
+            caps.append((request, k))
+        return self._drafter.plan(caps, budget - len(decodes))
 
     def _expire_deadlines(self, now: float, out: SchedulerOutput) -> None:
         """Finish (FINISHED_DEADLINE) requests past deadline_s, or not started by queue_deadline_s."""
