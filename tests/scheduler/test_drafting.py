@@ -63,6 +63,7 @@ def test_before_any_record_a_lone_decode_checks_two_and_a_batch_fewer() -> None:
     sixteen = [(_decoding(f"r{i}"), 4) for i in range(16)]
     assert planner.plan(sixteen, spare=100) == {}
     assert planner.plan(four, spare=2) == {"a": [1], "b": [1]}  # the spare budget, in order
+    assert planner.plan(four, spare=-1) == {}  # a budget below the decodes: no drafts
     assert planner.plan([(_decoding("a"), 1)], spare=100) == {"a": [1]}  # max_tokens' cap
 
 
@@ -106,8 +107,9 @@ def test_more_sequences_than_speculative_max_num_seqs_check_none_and_a_bad_price
 
 
 def test_where_rows_come_in_blocks_a_full_batch_drafts_only_to_fill_the_next_block() -> None:
-    # 16 decodes at an even chance, rows in blocks of 16 (AMX tiles) and a step price of 8: the
-    # 17th row costs 16 more, and 16 drafts at 0.5 bring 8 tokens for them: 24/40 < 16/24.
+    # 16 decodes at an even chance, rows in blocks of 16 (AMX tiles) and a step price of 8: one
+    # draft pays for a second tile's 15 padded rows too (16.5/32.5), and 16 drafts at 0.5 bring
+    # 8 tokens for 16 rows (24/40); both < 16/24.
     config = SchedulerConfig(num_speculative_tokens=4, prompt_lookup_min=1)
     sixteen = [(_decoding(f"r{i}"), 4) for i in range(16)]
     assert DraftPlanner(config, row_block=16).plan(sixteen, spare=100) == {}

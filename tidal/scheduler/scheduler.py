@@ -171,7 +171,9 @@ class Scheduler:
         #     tokens that fit the time target (BatchController), and the seat cap.
         #  1. Running requests first, decodes then prefills, each oldest first: each gets its
         #     uncomputed tokens (1 for a decode, the next chunk of an unfinished prefill) capped
-        #     by the remaining budget.
+        #     by the remaining budget. A decode may also check prompt-lookup drafts (which and
+        #     how many: DraftPlanner, from each sequence's acceptance and the step's row cost),
+        #     in budget the other decodes do not need and in free blocks only.
         #     While a waiting request outranks a running prefill (WaitingQueue order: priority,
         #     then length aged by waiting time) and a seat is free, that prefill's chunk is capped
         #     at half the prefill budget, so a long prompt cannot take every step from short
