@@ -206,6 +206,21 @@ def test_fuse_keeps_columns_in_order(tiny_gguf: Path) -> None:
     assert GGUFLinear.fuse([q, down]) is None  # different input sizes stay apart
 
 
+def test_row_block_is_a_tile_of_16_only_for_int8_activations_on_amx(
+    tiny_gguf: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layer = GGUFLinear([_linear(tiny_gguf, "blk.0.attn_q.weight")], None, torch.float32)
+    model = nn.Sequential(layer)
+    monkeypatch.setattr(gg, "available", lambda: True)
+    for isa in ("amx", "avx512"):
+        monkeypatch.setattr(gg, "default_isa", lambda isa=isa: isa)
+        layer.act = "q8"
+        assert gguf_blocks.row_block(model) == (16 if isa == "amx" else 1)
+        layer.act = "f32"  # float activations never run on the tiles
+        assert gguf_blocks.row_block(model) == 1
+    assert gguf_blocks.row_block(nn.Linear(4, 4)) == 1
+
+
 def test_bad_activation_mode_is_refused(tiny_gguf: Path) -> None:
     with pytest.raises(ValueError, match="act='int4' is invalid"):
         GGUFLinear([_linear(tiny_gguf, "blk.0.attn_q.weight")], None, torch.float32, act="int4")

@@ -295,8 +295,8 @@ def set_activations(model: nn.Module, act: str) -> int:
 
 def row_block(model: nn.Module) -> int:
     """The rows of x the model's weight kernels compute at once past a few: 16 where its GGUF
-    layers take int8 activations on AMX tiles (a 17th row costs a second tile, as much as 16
-    more), else 1 (each row costs about the same). DraftPlanner sizes drafts by it."""
+    layers take int8 activations on AMX tiles (a 17th row pays for a second tile's integer
+    products), else 1 (each row costs about the same). DraftPlanner sizes drafts by it."""
     if not any(isinstance(m, GGUFLinear) and m.act == "q8" for m in model.modules()):
         return 1
     from tidal.kernels import gguf_gemm
