@@ -11,7 +11,13 @@ import sys
 from pathlib import Path
 
 from tidal.config.engine import TidalConfig
-from tidal.config.loader import add_cli_arguments, cli_overrides_from_args, dump_config, load_config
+from tidal.config.loader import (
+    add_cli_arguments,
+    cli_flags_from_args,
+    cli_overrides_from_args,
+    dump_config,
+    load_config,
+)
 
 log = logging.getLogger("tidal.serve")
 
@@ -77,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         flags["model.path"] = positional
     try:
-        cfg = load_config(args.config, os.environ, flags)
+        cfg = load_config(args.config, os.environ, flags, cli_flags_from_args(args))
     except (ValueError, OSError) as e:
         print(f"tidal serve: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ from tidal.config.engine import EngineConfig, TidalConfig
 from tidal.config.loader import (
     MASK,
     add_cli_arguments,
+    cli_flags_from_args,
     cli_overrides_from_args,
     dump_config,
     load_config,
@@ -164,6 +165,23 @@ def test_vllm_speculative_config_sets_the_drafting_keys() -> None:
     assert _parse(["--speculative-config", spec, "--num-speculative-tokens", "5"]) == flags
     with pytest.raises(ValueError, match="give one"):
         _parse(["--speculative-config", spec, "--num-speculative-tokens", "2"])
+    # vLLM's batch size past which drafting stops is tidal's speculative_max_num_seqs.
+    spec = '{"method": "ngram", "disable_by_batch_size": 8}'
+    cfg = load_config(None, {}, _parse(["--speculative-config", spec])).engine.scheduler
+    assert cfg.speculative_max_num_seqs == 8
+
+
+def test_a_bad_value_in_speculative_config_is_named_as_coming_from_it() -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_arguments(parser)
+    for argv, flag in (
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": -1}'],
+         "--speculative-config"),
+        (["--num-speculative-tokens", "-1"], "--num-speculative-tokens"),
+    ):  # fmt: skip
+        args = parser.parse_args(argv)
+        with pytest.raises(ValueError, match=f"from flag {flag}"):
+            load_config(None, {}, cli_overrides_from_args(args), cli_flags_from_args(args))
 
 
 @pytest.mark.parametrize(
@@ -171,7 +189,7 @@ def test_vllm_speculative_config_sets_the_drafting_keys() -> None:
     [
         ('{"method": "eagle", "model": "x", "num_speculative_tokens": 3}', "not served"),
         ('{"model": "some/draft-model", "num_speculative_tokens": 3}', "a draft model is not"),
-        ('{"method": "ngram", "disable_by_batch_size": 8}', "disable_by_batch_size"),
+        ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "draft_tensor_parallel_size"),
         ('{"method": "ngram", "num_speculative_tokens": "4"}', "integer"),
         ("[1]", "expected a JSON object"),
         ("{method: ngram}", "not JSON"),

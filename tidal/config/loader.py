@@ -132,11 +132,15 @@ def _env_values(env: Mapping[str, str]) -> dict[str, object]:
 
 
 def load_config(
-    path: str | None, env: Mapping[str, str], cli_overrides: Mapping[str, object]
+    path: str | None,
+    env: Mapping[str, str],
+    cli_overrides: Mapping[str, object],
+    cli_flags: Mapping[str, str] | None = None,
 ) -> TidalConfig:
     """Defaults < YAML at `path` < `env` (TIDAL_<SECTION>_<KEY>) < `cli_overrides` (`section.key` -> value).
 
-    Raises ValueError naming the full key, the bad value, what is accepted and where it came from.
+    Raises ValueError naming the full key, the bad value, what is accepted and where it came from
+    (for a CLI value: `cli_flags`' flag for its key, else the key's own flag).
     """
     values: dict[str, object] = {}
     origins: dict[str, str] = {}
@@ -146,7 +150,7 @@ def load_config(
     for full, value in _env_values(env).items():
         values[full], origins[full] = value, f"from environment {KEYS[full].env_var}"
     for full, value in cli_overrides.items():
-        origin = f"from flag {FLAG_OF.get(full, full)}"
+        origin = f"from flag {(cli_flags or {}).get(full) or FLAG_OF.get(full, full)}"
         values[full], origins[full] = coerce_value(lookup_key(full, origin), value, origin), origin
     return _build(values, origins)
 
@@ -289,7 +293,8 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
         type=_speculative_arg,
         metavar="JSON",
         help='vLLM\'s form of the drafting keys: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4, "prompt_lookup_min": 2} (prompt lookup is the one method)',
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 16} (prompt '
+        "lookup is the one method)",
     )
 
 
@@ -318,11 +323,22 @@ def cli_overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
     return out
 
 
+def cli_flags_from_args(args: argparse.Namespace) -> dict[str, str]:
+    """The flag that set each key where it is not the key's own: --speculative-config's keys
+    (for load_config's errors)."""
+    return {
+        full: "--speculative-config" for full in getattr(args, "speculative_config", None) or {}
+    }
+
+
 # vLLM's --speculative-config fields tidal serves, and the keys they set.
 _SPECULATIVE_FIELDS = {
     "num_speculative_tokens": "batching.num_speculative_tokens",
     "prompt_lookup_max": "batching.prompt_lookup_max",
     "prompt_lookup_min": "batching.prompt_lookup_min",
+    # vLLM: no drafts for new requests while more than this many are enqueued; tidal: no drafts
+    # in a step with more decoding sequences.
+    "disable_by_batch_size": "batching.speculative_max_num_seqs",
 }
 
 
@@ -342,7 +358,7 @@ def parse_speculative_config(text: str) -> dict[str, int]:
         raise ValueError(
             f"{what} is not served: tidal drafts by prompt lookup only "
             '({"method": "ngram", "num_speculative_tokens": N, "prompt_lookup_max": N, '
-            '"prompt_lookup_min": N})'
+            '"prompt_lookup_min": N, "disable_by_batch_size": N})'
         )
     unknown = sorted(set(spec) - {"method", *_SPECULATIVE_FIELDS})
     if unknown:
