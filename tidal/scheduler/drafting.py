@@ -10,8 +10,8 @@ true stops paying rows for them, and one that starts copying its context gets th
 Step cost, in rows: reading the weights costs `speculative_step_rows` rows' worth, then every
 row one more. A step of D decodes brings D tokens for `step_rows + D`; one more row with keep
 probability v raises the tokens per cost iff v >= tokens / cost. Positions are taken best first
-while that holds, so a single sequence checks drafts down to a ~10% chance while 16 decodes
-need better than even odds (at 8 rows: 1/9 and 16/24). Where the kernels compute rows in blocks
+while that holds, so a single sequence checks drafts down to a ~11% chance while 16 decodes
+need two chances in three (at 8 rows: 1/9 and 16/24). Where the kernels compute rows in blocks
 (AMX tiles of 16 rows of x), a row past a block pays for the block's padding too: 16 decodes
 check drafts only if enough of them are likely kept to be worth most of a block. Deterministic:
 it reads no clock.
