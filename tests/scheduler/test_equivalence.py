@@ -66,9 +66,13 @@ def copying_next_token(context: list[int]) -> int:
     return next_token(context)
 
 
-@pytest.mark.parametrize("drafts", [0, 3], ids=["plain", "drafts"])
+# (drafts, speculative_step_rows): none; every proposal checked (a price of 1,000 rows); and
+# DraftPlanner's own choice at the default price, which checks some and watches the others.
+@pytest.mark.parametrize(
+    "drafts,step_rows", [(0, 8.0), (3, 1000.0), (3, 8.0)], ids=["plain", "drafts", "planned"]
+)
 @pytest.mark.parametrize("case", list(CASES))
-def test_outputs_match_the_reference(case: str, drafts: int) -> None:
+def test_outputs_match_the_reference(case: str, drafts: int, step_rows: float) -> None:
     opts = dict(CASES[case])
     windows = opts.pop("windows", [None])
     num_blocks = opts.pop("num_blocks")
@@ -82,7 +86,7 @@ def test_outputs_match_the_reference(case: str, drafts: int) -> None:
     cache_config = CacheConfig(block_size=BS, enable_prefix_caching=prefix)  # type: ignore[arg-type]
     kv = KVCacheManager(layout, num_blocks, cache_config, clock=clock)  # type: ignore[arg-type]
     spec = dict(num_speculative_tokens=drafts, prompt_lookup_min=1, prompt_lookup_max=3,
-                speculative_max_num_seqs=8, speculative_step_rows=1000.0)  # fmt: skip
+                speculative_max_num_seqs=8, speculative_step_rows=step_rows)  # fmt: skip
     config = SchedulerConfig(**{"max_num_batched_tokens": 64, "max_num_seqs": 8, **spec, **opts})  # type: ignore[arg-type]
     sched = Scheduler(config, cache_config, kv, clock=clock)
     model_next = copying_next_token if drafts else next_token
