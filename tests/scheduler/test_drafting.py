@@ -20,9 +20,10 @@ def _planner(step_rows: float = 8.0) -> DraftPlanner:
     )
 
 
-def _decoding(rid: str, outputs: tuple[int, ...] = (7,)) -> Request:
+def _decoding(rid: str, outputs: tuple[int, ...] = (7,), max_tokens: int = 100) -> Request:
     """A request past its prefill whose latest token's KV is the next step's input."""
-    req = Request(rid, PROMPT, SamplingParams(temperature=0, max_tokens=100), arrival_time_s=0.0)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    req = Request(rid, PROMPT, params, arrival_time_s=0.0)
     req.output_token_ids.extend(outputs)
     req.num_computed_tokens = req.num_tokens - 1
     return req
@@ -31,7 +32,7 @@ def _decoding(rid: str, outputs: tuple[int, ...] = (7,)) -> Request:
 def _step(planner: DraftPlanner, req: Request, model) -> list[int]:
     """Plan one decode; the model writes `model(proposal)`: the step appends the drafts that
     agree with it, then the model's next token (as ModelRunner._collect does)."""
-    draft = planner.plan([(req, 4)], spare=100).get(req.request_id, [])
+    draft = planner.plan([req], spare=100).get(req.request_id, [])
     proposal = list(planner._pending.get(req.request_id, []))
     planner.scheduled(req, len(draft))
     wrote = model(proposal)
@@ -57,14 +58,15 @@ def test_before_any_record_a_lone_decode_checks_two_and_a_batch_fewer() -> None:
     # not 0.125 (1.75/11). Four decodes: 0.5 >= 4/12 for each, 0.25 < 6/16 for none. Sixteen:
     # 0.5 < 16/24: none.
     planner = _planner()
-    assert planner.plan([(_decoding("a"), 4)], spare=100) == {"a": [1, 2]}
-    four = [(_decoding(r), 4) for r in "abcd"]
+    assert planner.plan([_decoding("a")], spare=100) == {"a": [1, 2]}
+    four = [_decoding(r) for r in "abcd"]
     assert planner.plan(four, spare=100) == {r: [1] for r in "abcd"}
-    sixteen = [(_decoding(f"r{i}"), 4) for i in range(16)]
+    sixteen = [_decoding(f"r{i}") for i in range(16)]
     assert planner.plan(sixteen, spare=100) == {}
     assert planner.plan(four, spare=2) == {"a": [1], "b": [1]}  # the spare budget, in order
     assert planner.plan(four, spare=-1) == {}  # a budget below the decodes: no drafts
-    assert planner.plan([(_decoding("a"), 1)], spare=100) == {"a": [1]}  # max_tokens' cap
+    # 1 of 3 tokens out: the step may emit 2, one of them a draft (max_tokens' cap).
+    assert planner.plan([_decoding("a", max_tokens=3)], spare=100) == {"a": [1]}
 
 
 def test_guesses_that_come_true_earn_more_rows_and_ones_that_fail_lose_them() -> None:
@@ -100,8 +102,8 @@ def test_more_sequences_than_speculative_max_num_seqs_check_none_and_a_bad_price
             speculative_step_rows=1000.0,
         )
     )
-    assert planner.plan([(_decoding(r), 4) for r in "abc"], spare=100) == {}
-    assert len(planner.plan([(_decoding(r), 4) for r in "ab"], spare=100)) == 2
+    assert planner.plan([_decoding(r) for r in "abc"], spare=100) == {}
+    assert len(planner.plan([_decoding(r) for r in "ab"], spare=100)) == 2
     with pytest.raises(ValueError, match="speculative_step_rows"):
         SchedulerConfig(speculative_step_rows=0)
 
@@ -111,17 +113,17 @@ def test_where_rows_come_in_blocks_a_full_batch_drafts_only_to_fill_the_next_blo
     # draft pays for a second tile's 15 padded rows too (16.5/32.5), and 16 drafts at 0.5 bring
     # 8 tokens for 16 rows (24/40); both < 16/24.
     config = SchedulerConfig(num_speculative_tokens=4, prompt_lookup_min=1)
-    sixteen = [(_decoding(f"r{i}"), 4) for i in range(16)]
+    sixteen = [_decoding(f"r{i}") for i in range(16)]
     assert DraftPlanner(config, row_block=16).plan(sixteen, spare=100) == {}
     # Twelve decodes at 3 in 4: 4 drafts fill the first block (15/24 > 12/20), 20 fill the
     # second (12 at 0.75 and 8 at 0.56: 25.5/40 > 15/24); a row past a block never pays.
     planner = DraftPlanner(config, row_block=16)
-    for req, _ in sixteen:
+    for req in sixteen:
         planner._records[req.request_id] = _Record(kept=2.0)
     plan = planner.plan(sixteen[:12], spare=100)
     assert sorted(map(len, plan.values())) == [1] * 4 + [2] * 8
     # At better odds a second block pays (p = 0.95 after a run of kept drafts).
-    for req, _ in sixteen:
+    for req in sixteen:
         planner._records[req.request_id] = _Record(kept=37.0, missed=1.0)
     plan = planner.plan(sixteen, spare=100)
     assert sum(map(len, plan.values())) >= 16

@@ -62,19 +62,24 @@ class DraftPlanner:
         # This step's proposals, until `scheduled` says how much of each was checked.
         self._pending: dict[str, list[int]] = {}
 
-    def plan(self, decodes: list[tuple[Request, int]], spare: int) -> dict[str, list[int]]:
-        """Drafts for this step's decodes, each given with the most it may check (max_tokens,
-        context); at most `spare` draft tokens in all. Requests absent from the result check
-        none; call `scheduled` for every request in `decodes` once its draft is final."""
+    def plan(self, decodes: list[Request], spare: int) -> dict[str, list[int]]:
+        """Drafts for this step's decodes, at most `spare` tokens in all. Requests absent from
+        the result check none; call `scheduled` for each decode once its draft is final."""
         self._pending = {}
         if len(decodes) > self.config.speculative_max_num_seqs:
+            # Every running request that once proposed keeps an index (32 chats of 6,000 tokens:
+            # ~70 MiB); past twice the drafting batch they go, and a batch that moves around the
+            # threshold does not rebuild them every step (~15 ms for 6,000 tokens).
+            if len(self.proposer) > 2 * self.config.speculative_max_num_seqs:
+                self.proposer.clear()
             return {}
         k_max = self.config.num_speculative_tokens
         proposals: dict[str, list[int]] = {}
         candidates: list[tuple[float, int, int]] = []  # (keep probability, order, position)
-        for order, (request, cap) in enumerate(decodes):
+        for order, request in enumerate(decodes):
             record = self._observe(request)
-            if cap <= 0 or not self._eligible(request):
+            cap = self._cap(request)
+            if cap <= 0:
                 continue
             proposal = self.proposer.propose(request.request_id, request.all_token_ids, k_max)
             if not proposal:
@@ -96,7 +101,7 @@ class DraftPlanner:
         for _, order, position in candidates[:best]:
             lengths[order] = position
         plan: dict[str, list[int]] = {}
-        for (request, _), n in zip(decodes, lengths, strict=True):
+        for request, n in zip(decodes, lengths, strict=True):
             if n:
                 plan[request.request_id] = proposals[request.request_id][:n]
         self._pending = proposals
@@ -122,19 +127,22 @@ class DraftPlanner:
         self.proposer.forget(request_id)
         self._records.pop(request_id, None)
 
-    def clear_indexes(self, limit: int) -> None:
-        """Drop every lookup index once more than `limit` exist (rebuilt on the next proposal:
-        ~15 ms and 2 MiB for 6,000 tokens); acceptance estimates stay."""
-        if len(self.proposer) > limit:
-            self.proposer.clear()
-
-    def _eligible(self, request: Request) -> bool:
-        """No drafts for a grammar-constrained request (its matcher would have to walk each
-        draft) nor one still prefilling."""
-        return (
-            request.sampling_params.structured_outputs is None
-            and request.num_computed_tokens >= request.num_prompt_tokens
-        )
+    def _cap(self, request: Request) -> int:
+        """The most drafts the request may check: none for a grammar-constrained request (its
+        matcher would have to walk each draft) nor one still prefilling, none past max_tokens
+        (a step emits up to k + 1 tokens) or the context (the last draft's position must exist)."""
+        if (
+            request.sampling_params.structured_outputs is not None
+            or request.num_computed_tokens < request.num_prompt_tokens
+        ):
+            return 0
+        k = self.config.num_speculative_tokens
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - request.num_output_tokens - 1)
+        if request.max_model_len is not None:
+            k = min(k, request.max_model_len - request.num_tokens)
+        return k
 
     def _observe(self, request: Request) -> _Record:
         """The request's record, updated by its last proposal where its tokens now exist."""

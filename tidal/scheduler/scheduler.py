@@ -211,7 +211,11 @@ class Scheduler:
         # decode in, and an older request's chunk must not take a decode's token.
         ordered = sorted(self._running, key=lambda r: r.num_uncomputed_tokens != 1)
         decodes_left = sum(1 for r in ordered if r.num_uncomputed_tokens == 1)
-        drafts = self._plan_drafts(ordered[:decodes_left], budget)
+        drafts = (
+            self._drafter.plan(ordered[:decodes_left], budget - decodes_left)
+            if self._drafter is not None
+            else {}
+        )
         for request in ordered:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted or failed earlier in this loop
@@ -433,27 +437,6 @@ class Scheduler:
             want_prompt_logprobs=wants_prompt and start < request.num_prompt_tokens,
             draft_token_ids=draft,
         )
-
-    def _plan_drafts(self, decodes: list[Request], budget: int) -> dict[str, list[int]]:
-        """Prompt-lookup drafts for this step's decodes (DraftPlanner), none past max_tokens or
-        the context limit, within the budget the decodes themselves do not need."""
-        if self._drafter is None:
-            return {}
-        if len(decodes) > self.config.speculative_max_num_seqs:
-            # Every running request that once drafted keeps an index (32 chats of 6,000 tokens:
-            # ~70 MiB); past twice the drafting batch they go, and a batch that moves around the
-            # threshold does not rebuild them every step (~15 ms for 6,000 tokens).
-            self._drafter.clear_indexes(2 * self.config.speculative_max_num_seqs)
-        caps: list[tuple[Request, int]] = []
-        for request in decodes:
-            k = self.config.num_speculative_tokens
-            max_tokens = request.sampling_params.max_tokens
-            if max_tokens is not None:  # the step emits up to k + 1 tokens
-                k = min(k, max_tokens - request.num_output_tokens - 1)
-            if request.max_model_len is not None:  # the last draft's position must exist
-                k = min(k, request.max_model_len - request.num_tokens)
-            caps.append((request, k))
-        return self._drafter.plan(caps, budget - len(decodes))
 
     def _expire_deadlines(self, now: float, out: SchedulerOutput) -> None:
         """Finish (FINISHED_DEADLINE) requests past deadline_s, or not started by queue_deadline_s."""
