@@ -121,11 +121,13 @@ def test_stack_matches_the_per_layer_path_bit_for_bit(tiny_models, family, act, 
     try:
         ref, ref_pages, ran_ref = _run(model, loaded.arch, kv_dtype, native=False)
         ours, pages, ran = _run(model, loaded.arch, kv_dtype, native=True)
+        fused_norm = model.model.native._final_scale is not None
     finally:
         set_activations(model, "f32")
         model.model.native.reset()
     assert ran_ref == 0
     assert ran == len(_schedule())  # every step took the C stack
+    assert fused_norm  # and the final norm ran in the same C call, with the same bits
     for step, (a, b) in enumerate(zip(ours, ref)):
         assert torch.equal(a, b), f"step {step}: max |diff| {(a - b).abs().max().item():.3e}"
     for a, b in zip(pages, ref_pages):

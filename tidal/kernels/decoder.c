@@ -14,6 +14,7 @@
  *     m   = act(gate) * up                           silu (SwiGLU) or gelu-tanh (GeGLU)
  *     d   = m @ Wdown.T
  *     x  += rms_norm(d) * norm_ffn_out    (Gemma)    or  x += d
+ *   then, where the caller passes its scale, the model's final norm: x = rms_norm(x) * norm
  *
  * Every operation is the function the per-op path runs (the modules in tidal/layers/ call the
  * same C entry points, and tidal_gated_act below for the activation), in the same order, so both
@@ -174,6 +175,7 @@ typedef struct {
     const int32_t *seqs;
     int64_t S;
     double *times; /* NULL, or TIME_SLOTS seconds accumulated per kind of work */
+    const float *final_norm; /* the model's final norm scale, applied to x in place; NULL: none */
 } run_t;
 
 int64_t tidal_decoder_layer_size(void) { return (int64_t)sizeof(layer_t); }
@@ -266,6 +268,12 @@ int tidal_decoder_run(const void *packed) {
         }
         if (rc) break;
         tidal_add_rms_norm(R.x, T, hid, hid, o, hid, L->norm_ffn_out, R.eps);
+        TICK(TIME_NORM_ROPE);
+    }
+    /* the final norm, in place (each row's squares are summed before any of it is written): the
+     * call the model's norm module makes, so the bits are the same; one Python call less a step */
+    if (rc == 0 && R.final_norm) {
+        tidal_rms_norm(R.x, T, hid, hid, R.final_norm, R.eps, R.x, hid);
         TICK(TIME_NORM_ROPE);
     }
     free(scratch);

@@ -43,6 +43,7 @@ RUN = struct.Struct(
     f"{MAX_GROUPS}q{MAX_GROUPS}q{MAX_GROUPS}q"  # slots, tables, table width per KV group
     "2q"  # seqs, S
     "q"  # times
+    "q"  # final norm scale (0: none)
 )
 _ERRORS = {
     -1: "unsupported ggml type",
@@ -186,6 +187,7 @@ class DecoderStack:
             ACT_CODES[act], gemm_act, eps, gemm_isa, default_isa(),
         )  # fmt: skip
         self.hidden = hidden
+        self.eps = eps
         self.times: list[float] | None = None  # set to [0.0] * 4 to accumulate TIME_SLOTS
 
     def run(
@@ -196,9 +198,11 @@ class DecoderStack:
         tables: Sequence[torch.Tensor],  # per KV group: (S, W) int64
         seq_arrays: torch.Tensor,  # (3, S) int32
         threads: int | None = None,
+        final_norm: torch.Tensor | None = None,  # (hidden,) float32: the model's final norm
     ) -> None:
         """Contract (checked by the caller, which builds these per step): CPU contiguous tensors
-        of the dtypes above, x rows = T."""
+        of the dtypes above, x rows = T. With `final_norm`, x ends as rms_norm(x) * final_norm
+        (the stack's eps), computed as tidal.kernels.norm_rope.rms_norm computes it."""
         t = x.shape[0]
         cos = [c.data_ptr() for c, _ in ropes] + [0] * (MAX_ROPES - len(ropes))
         sin = [s.data_ptr() for _, s in ropes] + [0] * (MAX_ROPES - len(ropes))
@@ -214,6 +218,7 @@ class DecoderStack:
             *[b.shape[1] for b in tables], *pad,
             seq_arrays.data_ptr(), seq_arrays.shape[1],
             0 if times is None else ctypes.addressof(times),
+            _ptr(final_norm),
         )  # fmt: skip
         rc = self._lib.tidal_decoder_run(packed)
         if times is not None:

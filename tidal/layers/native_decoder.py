@@ -39,23 +39,44 @@ class NativeDecoder:
     """Holds the decoder layers' C stack for the KV pool it was built for (rebuilt when the pool
     or the activation mode changes). `enabled` switches it off for this model."""
 
-    def __init__(self, layers: nn.ModuleList, rope_types: Sequence[str]) -> None:
+    def __init__(
+        self, layers: nn.ModuleList, rope_types: Sequence[str], final_norm: nn.Module
+    ) -> None:
         self.layers = layers
         self.rope_types = list(rope_types)
+        self.final_norm = final_norm
         self.enabled = _enabled_by_env()
         self._key: tuple | None = None
         self._fast_key: tuple | None = None
         self._stack: kernel.DecoderStack | None = None
+        # the final norm's float32 scale where the stack applies it (same eps), else None
+        self._final_scale: torch.Tensor | None = None
         self._gemm_act = "f32"
         self.steps = 0  # steps the C stack ran (for tests and the profile)
 
     def reset(self) -> None:
         """Rebuild the stack at the next step (after the kernels' ISA setting changed)."""
-        self._key = self._fast_key = self._stack = None
+        self._key = self._fast_key = self._stack = self._final_scale = None
 
     @property
     def stack(self) -> kernel.DecoderStack | None:
         return self._stack
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        kv_caches: list,
+    ) -> torch.Tensor:
+        """The hidden states after every layer and the final norm: one C call where `run`
+        takes the step, else the layer modules one by one."""
+        hidden = self.run(x, cos_sin, meta, kv_caches)
+        if hidden is not None:
+            return hidden
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos_sin[layer.self_attn.layer_type], meta, kv)
+        return self.final_norm(x)
 
     def run(
         self,
@@ -63,23 +84,25 @@ class NativeDecoder:
         cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         kv_caches: list,
-    ) -> bool:
-        """Runs every layer over x in place and returns True, or returns False having done
-        nothing (the caller runs the modules)."""
+    ) -> torch.Tensor | None:
+        """Runs every layer over x in place, then the final norm, and returns the normed
+        hidden states; or returns None having done nothing (the caller runs the modules). The
+        final norm runs inside the same C call where its eps is the layers' (one Python call and
+        allocation less a step), else as the module."""
         if not self.enabled or x.dtype != torch.float32 or x.device.type != "cpu":
-            return False
+            return None
         if x.dim() != 2 or not x.is_contiguous() or len(meta.groups) > kernel.MAX_GROUPS:
-            return False
+            return None
         stack = self._stack_for(kv_caches)
         if stack is None:
-            return False
+            return None
         if self._gemm_act == "f32" and x.shape[0] > F32_KERNEL_MAX_ROWS:
-            return False
+            return None
         ropes = []
         for name in self.rope_types:
             cos, sin = cos_sin[name]
             if cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous()):
-                return False
+                return None
             ropes.append((cos, sin))
         groups = meta.groups
         args = (
@@ -89,13 +112,14 @@ class NativeDecoder:
             [g.block_tables for g in groups],
             meta.seq_arrays,
         )
+        final = self._final_scale
         if torch.autograd._profiler_enabled():
             with torch.profiler.record_function("tidal::decoder_stack"):
-                stack.run(*args)
+                stack.run(*args, final_norm=final)
         else:
-            stack.run(*args)
+            stack.run(*args, final_norm=final)
         self.steps += 1
-        return True
+        return x if final is not None else self.final_norm(x)
 
     def _stack_for(self, kv_caches: list) -> kernel.DecoderStack | None:
         first = self.layers[0].self_attn.qkv_proj if len(self.layers) else None
@@ -113,6 +137,9 @@ class NativeDecoder:
             if act is not None and kernel.available() and gguf_gemm.available():
                 self._gemm_act = act
                 self._stack = _build(self.layers, self.rope_types, kv_caches, act)
+            self._final_scale = None
+            if self._stack is not None and getattr(self.final_norm, "eps", None) == self._stack.eps:
+                self._final_scale = _scale(self.final_norm)
         return self._stack
 
 

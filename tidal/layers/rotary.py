@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -99,6 +100,29 @@ class RotaryEmbedding(nn.Module):
         if self.scale != 1.0:
             return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotary_tables(
+    rotary: Mapping[str, RotaryEmbedding], positions: torch.Tensor, dtype: torch.dtype
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer type's (cos, sin), each what its RotaryEmbedding returns, computed together
+    where the tables share a head size: one multiply, cat, cos and sin over a (types, T, D)
+    tensor instead of one of each per type (a decode step's rotary glue ~20 -> ~10 torch ops).
+    Element by element the operations are the per-type ones, so the values are the same."""
+    rots = list(rotary.items())
+    if len(rots) < 2 or len({r.head_dim for _, r in rots}) != 1:
+        return {t: rot(positions, dtype) for t, rot in rots}
+    inv = torch.stack([r.inv_freq.float() for _, r in rots])  # (R, D/2)
+    freqs = positions.float()[None, :, None] * inv[:, None, :]  # (R, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (R, T, D): each [i] a contiguous (T, D)
+    cos, sin = emb.cos(), emb.sin()
+    tables = {}
+    for i, (t, r) in enumerate(rots):
+        c, s = cos[i], sin[i]
+        if r.scale != 1.0:
+            c, s = c * r.scale, s * r.scale
+        tables[t] = (c.to(dtype), s.to(dtype))
+    return tables
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from tidal.layers.linear import linear_into
 from tidal.layers.mlp import GatedMLP
 from tidal.layers.native_decoder import NativeDecoder
 from tidal.layers.norm import RMSNorm
-from tidal.layers.rotary import RotaryEmbedding
+from tidal.layers.rotary import RotaryEmbedding, rotary_tables
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -47,7 +47,7 @@ class Gemma3Model(nn.Module):
             {t: RotaryEmbedding(arch.head_dim, arch.rope[t]) for t in sorted(set(arch.layer_types))}
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, gemma=True)
-        self.native = NativeDecoder(self.layers, sorted(self.rotary))
+        self.native = NativeDecoder(self.layers, sorted(self.rotary), self.norm)
 
 
 class Gemma3ForCausalLM(nn.Module):
@@ -60,6 +60,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         self.lm_head.weight = self.model.embed_tokens.weight
         self.embed_scale = arch.hidden_size**0.5
+        self._embed_scale: torch.Tensor | None = None  # as a tensor of the activations' dtype
 
     def forward(
         self,
@@ -70,12 +71,12 @@ class Gemma3ForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         # transformers rounds the scale to the weight dtype before multiplying; so do we.
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        cos_sin = {t: rot(positions, x.dtype) for t, rot in self.model.rotary.items()}
-        if not self.model.native.run(x, cos_sin, meta, kv_caches):
-            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-                x = layer(x, cos_sin[layer.self_attn.layer_type], meta, kv)
-        return self.model.norm(x)
+        scale = self._embed_scale
+        if scale is None or scale.dtype != x.dtype:
+            scale = self._embed_scale = torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = x * scale
+        cos_sin = rotary_tables(self.model.rotary, positions, x.dtype)
+        return self.model.native.forward(x, cos_sin, meta, kv_caches)  # layers, final norm
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32, into `out` where the head's format can write there."""

@@ -14,7 +14,7 @@ from tidal.layers.mlp import GatedMLP
 from tidal.layers.moe import SparseMoE
 from tidal.layers.native_decoder import NativeDecoder
 from tidal.layers.norm import RMSNorm
-from tidal.layers.rotary import RotaryEmbedding
+from tidal.layers.rotary import RotaryEmbedding, rotary_tables
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -49,7 +49,7 @@ class LlamaModel(nn.Module):
             {t: RotaryEmbedding(arch.head_dim, arch.rope[t]) for t in sorted(set(arch.layer_types))}
         )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.native = NativeDecoder(self.layers, sorted(self.rotary))
+        self.native = NativeDecoder(self.layers, sorted(self.rotary), self.norm)
         if arch.moe_layers:  # the C decoder stack runs dense MLPs only
             self.native.enabled = False
 
@@ -76,11 +76,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states (T, hidden) after the final norm."""
         x = self.model.embed_tokens(input_ids)
-        cos_sin = {t: rot(positions, x.dtype) for t, rot in self.model.rotary.items()}
-        if not self.model.native.run(x, cos_sin, meta, kv_caches):
-            for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-                x = layer(x, cos_sin[layer.self_attn.layer_type], meta, kv)
-        return self.model.norm(x)
+        cos_sin = rotary_tables(self.model.rotary, positions, x.dtype)
+        return self.model.native.forward(x, cos_sin, meta, kv_caches)  # layers, final norm
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(N, hidden) -> (N, vocab) float32, into `out` where the head's format can write there."""

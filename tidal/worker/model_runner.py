@@ -160,9 +160,13 @@ class ModelRunner:
         )
         sample = None
         if inputs.sample_rows:
-            rows = torch.tensor(inputs.sample_rows, device=self.device)
+            picked = hidden
+            # Rows ascend without repeats, so as many rows as tokens are every row (a step of
+            # decodes): no index op nor copy then.
+            if len(inputs.sample_rows) != hidden.shape[0]:
+                picked = hidden[torch.tensor(inputs.sample_rows, device=self.device)]
             out = self._logits_out(len(inputs.sample_rows))
-            sample = self.model.compute_logits(hidden[rows], out)
+            sample = self.model.compute_logits(picked, out)
         for span, (a, n) in enumerate(inputs.prompt_spans):
             for row in range(0, n, PROMPT_LOGITS_ROWS):
                 end = min(n, row + PROMPT_LOGITS_ROWS)
