@@ -95,11 +95,24 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape (T, head_dim), computed in float32 and cast like transformers does."""
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # (T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, D)
-        if self.scale != 1.0:
-            return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = _cos_sin(self.inv_freq.float()[None], positions)
+        return _scaled(cos[0], sin[0], self.scale, dtype)
+
+
+def _cos_sin(inv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, D/2) inverse frequencies -> cos, sin (R, T, D) float32, each [i] a contiguous (T, D):
+    the one formula every rotary table is computed by, alone or several together."""
+    freqs = positions.float()[None, :, None] * inv[:, None, :]  # (R, T, D/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _scaled(
+    cos: torch.Tensor, sin: torch.Tensor, scale: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
 
 
 def rotary_tables(
@@ -108,21 +121,12 @@ def rotary_tables(
     """Every layer type's (cos, sin), each what its RotaryEmbedding returns, computed together
     where the tables share a head size: one multiply, cat, cos and sin over a (types, T, D)
     tensor instead of one of each per type (a decode step's rotary glue ~20 -> ~10 torch ops).
-    Element by element the operations are the per-type ones, so the values are the same."""
+    Both go through _cos_sin, element by element the same operations, so the same values."""
     rots = list(rotary.items())
     if len(rots) < 2 or len({r.head_dim for _, r in rots}) != 1:
         return {t: rot(positions, dtype) for t, rot in rots}
-    inv = torch.stack([r.inv_freq.float() for _, r in rots])  # (R, D/2)
-    freqs = positions.float()[None, :, None] * inv[:, None, :]  # (R, T, D/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (R, T, D): each [i] a contiguous (T, D)
-    cos, sin = emb.cos(), emb.sin()
-    tables = {}
-    for i, (t, r) in enumerate(rots):
-        c, s = cos[i], sin[i]
-        if r.scale != 1.0:
-            c, s = c * r.scale, s * r.scale
-        tables[t] = (c.to(dtype), s.to(dtype))
-    return tables
+    cos, sin = _cos_sin(torch.stack([r.inv_freq.float() for _, r in rots]), positions)
+    return {t: _scaled(cos[i], sin[i], r.scale, dtype) for i, (t, r) in enumerate(rots)}
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
