@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tidal.kernels import build
+from tidal.kernels import build, decoder
 
 
 def test_builds_once_then_loads_from_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,12 +45,13 @@ def test_linked_sources_build_into_one_library(
     """decoder.c calls the gemm, attention and norm kernels directly: one library holds them all,
     reused from the cache like any other."""
     monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path))
-    link = ("gguf_gemm", "paged_attention", "norm_rope")
+    link = decoder.LINKED
     lib = build._build_and_load("decoder", link)
     assert lib is not None
     for symbol in (
         "tidal_decoder_run",
         "tidal_gguf_gemm",
+        "tidal_gguf_kdecode16",
         "tidal_paged_attention",
         "tidal_rms_norm",
     ):

@@ -9,6 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tests.kernels.gguf_reference import F32_TOL, ISAS, TYPES, check, dequantized, k_of, weight
 from tidal.kernels import gguf_gemm as gg
+from tidal.kernels.bench_gguf import random_blocks
 from tidal.kernels.build import cpu_flags
 from tidal.kernels.isa import ISA_CPU_FLAGS, PATH_ORDER
 
@@ -155,3 +156,42 @@ def test_amx_against_avx512(t: Q, m: int) -> None:
     fused = gg.gguf_gemm(x, [w, other], "q8", "amx")
     assert torch.equal(fused, gg.gguf_gemm(x, [w, other], "q8", "avx512"))
     check(fused[:, :35], x, w, "q8")
+
+
+K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
+
+
+def _extreme_k_blocks(t: Q, n: int, k: int) -> gg.BlockWeight:
+    """Every code and 6-bit scale (and min) at its largest, Q6_K's int8 scales at -128: the
+    integer sums at their widest, which a lane mix-up or an overflow would not survive."""
+    w = random_blocks(int(t), n, k, seed=3)
+    b = w.blocks.numpy().reshape(n, k // 256, -1)
+    if t == Q.Q6_K:
+        b[..., :192] = 0xFF
+        b[..., 192:208] = 0x80
+    else:
+        b[..., 4:] = 0xFF  # scales, mins, Q5_K's fifth bits and the codes
+    return w
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="only the scalar path runs here")
+@pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
+def test_kquant_decode_rows_give_the_same_bits(t: Q) -> None:
+    """One or two rows of x against K-quant rows run the decode kernels: sixteen rows a call on
+    AVX-512 (gguf_kdecode_avx512.c), eight of Q4_K/Q5_K on AVX2 and AVX-VNNI
+    (gguf_kdecode_avx2.c), their sums reduced together. For each count of rows in the last call
+    (1..16, and 17 and 33: a call and a part), random and widest blocks give the portable C's
+    bits, as more rows of x give them (panels, tiles)."""
+    if "avx512" in ISAS:
+        assert gg._library().tidal_gguf_kdecode_built() == 1
+    k = k_of(t, blocks256=3)
+    torch.manual_seed(int(t))
+    x = torch.randn(9, k) * 3
+    for n in (*range(1, 17), 17, 33):
+        for w in (weight(t, n, k, seed=n, random_bytes=True), _extreme_k_blocks(t, n, k)):
+            ref = gg.gguf_gemm(x, w, "q8", "scalar")
+            for isa in ISAS[:-1]:
+                for m in (1, 2):
+                    assert torch.equal(gg.gguf_gemm(x[:m], w, "q8", isa), ref[:m]), (isa, n, m)
+                # the same rows of x inside a batch: the panels' (or tiles') bits
+                assert torch.equal(gg.gguf_gemm(x, w, "q8", isa)[:2], ref[:2]), (isa, n)

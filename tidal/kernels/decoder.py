@@ -13,6 +13,7 @@ import torch
 
 from tidal.kernels import paged_attention
 from tidal.kernels.build import load
+from tidal.kernels.gguf_gemm import SOURCES as gguf_sources
 from tidal.kernels.isa import capped_isa
 
 ACT_CODES = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
@@ -56,9 +57,13 @@ _ERRORS = {
 }
 
 
+# the kernels decoder.c calls, compiled into its library
+LINKED = (*gguf_sources, "paged_attention", "norm_rope")
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load("decoder", link=("gguf_gemm", "paged_attention", "norm_rope"))
+    lib = load("decoder", link=LINKED)
     if lib is None:
         return None
     lib.tidal_decoder_best_isa.restype = ctypes.c_int

@@ -67,6 +67,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tidal_kernels.h"
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
@@ -1056,6 +1058,10 @@ ALWAYS void q8_group(int type, int vnni, const uint8_t *w, int64_t rb, int nc, i
                      int64_t ldy) {
     const int kq = runs32(type) == 0;
     const int64_t runs = kq ? 8 * nb : nb * runs32(type);
+    /* a decode step's K-quants: eight rows in registers (gguf_kdecode_avx2.c, same bits) */
+    if (M <= QD && kq && vnni != VNNI_EVEX
+        && tidal_gguf_kdecode8(type, vnni == VNNI_VEX, w, rb, nc, nb, next, x, ldx, (int)M, y, ldy) == 0)
+        return;
     if (M <= QD) {
         if (M == 2) q8_direct(type, vnni, w, rb, nc, nb, next, x, ldx, 2, y, ldy);
         else q8_direct(type, vnni, w, rb, nc, nb, next, x, ldx, 1, y, ldy);
@@ -1433,6 +1439,10 @@ ALWAYS void q8_rows16(int type, const qrun2 *P, int64_t nr, const uint8_t *x, in
 ALWAYS void q8_group16(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
                        const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M, float *y,
                        int64_t ldy) {
+    /* a decode step's K-quants: sixteen rows in registers (gguf_kdecode_avx512.c, same bits) */
+    if (M <= QD && runs32(type) == 0
+        && tidal_gguf_kdecode16(type, w, rb, nc, nb, next, x, ldx, (int)M, y, ldy) == 0)
+        return;
     if (nc <= QG || M <= QD) {
         for (int n = 0; n < nc; n += QG) {
             const uint8_t *nx = n + QG < nc ? w + (n + QG) * rb : next;

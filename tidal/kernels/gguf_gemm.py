@@ -154,9 +154,14 @@ class BlockSegments(Sequence[BlockWeight]):
         return iter(self.weights)
 
 
+# gguf_gemm.c's library and every library that links it in: the decode-step K-quant kernels are
+# their own sources (one file per ISA), called from gguf_gemm.c
+SOURCES = ("gguf_gemm", "gguf_kdecode_avx512", "gguf_kdecode_avx2")
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load("gguf_gemm")
+    lib = load(SOURCES[0], link=SOURCES[1:])
     if lib is None:
         return None
     lib.tidal_gguf_gemm.restype = ctypes.c_int

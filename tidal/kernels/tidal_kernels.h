@@ -13,6 +13,17 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
 int tidal_gguf_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const int64_t *segs,
                            int64_t nseg, float *y, int64_t ldy, int64_t nthreads);
 
+/* gguf_kdecode_avx512.c (gguf_gemm.c's decode-step K-quants on AVX-512 VNNI) */
+int tidal_gguf_kdecode_built(void);
+int tidal_gguf_kdecode16(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+                         const uint8_t *next, const uint8_t *x, int64_t ldx, int M, float *y,
+                         int64_t ldy);
+
+/* gguf_kdecode_avx2.c (the same on AVX2, and AVX-VNNI's vpdpbusd where vnni) */
+int tidal_gguf_kdecode8(int type, int vnni, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+                        const uint8_t *next, const uint8_t *x, int64_t ldx, int M, float *y,
+                        int64_t ldy);
+
 /* norm_rope.c */
 void tidal_rms_norm(const float *x, int64_t rows, int64_t n, int64_t ldx, const float *scale,
                     double eps, float *out, int64_t ldo);
