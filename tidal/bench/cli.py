@@ -1,4 +1,4 @@
-"""`tidal bench run|compare|kernels`: the benchmarks' command line."""
+"""`tidal bench run|compare|kernels|synth`: the benchmarks' command line."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from tidal.bench.trace import WORKLOADS, TraceRequest, WorkloadSpec, build_trace
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register `bench` (with `run`, `compare` and `kernels`) on the `tidal` command's subparsers."""
+    """Register `bench` (with `run`, `compare`, `kernels` and `synth`) on the `tidal` command's
+    subparsers."""
     parser = subparsers.add_parser(
         "bench", help="benchmark an OpenAI-compatible server, or compare tidal with baselines"
     )
@@ -54,6 +55,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     kernels.add_arguments(k_p)
     k_p.set_defaults(func=kernels.run)
+
+    from tidal.bench import synth
+
+    s_p = sub.add_parser(
+        "synth", help="write a layout twin: a real model's GGUF layout with synthetic weights"
+    )
+    synth.add_arguments(s_p)
+    s_p.set_defaults(func=synth.run)
     return parser
 
 

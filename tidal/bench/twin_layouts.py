@@ -1,0 +1,234 @@
+"""The layout table: 7B-class architectures' exact shapes and llama.cpp's quantization recipes.
+
+A layout is what llama.cpp's convert_hf_to_gguf.py and llama-quantize would write for the model:
+tensor names, torch-order shapes, ggml block types and their order in the file, and the
+architecture's metadata keys. The types follow llama.cpp's `llama_tensor_get_type`
+(src/llama-quant.cpp) for the four recipes here; e.g. Qwen2.5-7B Q4_K_M (28 layers):
+
+    token_embd Q4_K, output Q6_K, norms and biases F32 (1-D tensors are never quantized)
+    attn_v, ffn_down   Q6_K on layers 0-2, 5, 8, 11, 14, 17, 20, 23, 24-27 (use_more_bits), else Q4_K
+    everything else    Q4_K
+
+The tensors are ordered as llama-quantize writes them: the tensors outside the blocks first, then
+block by block, each group by name (llama_model_loader's weight_name_comparer).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+from tidal.bench.twin_header import FLOAT32, STRING, UINT32, MetaValue, TensorSpec, meta
+from tidal.quant.gguf_types import BLOCK_SIZES, GGMLType
+
+QUANTIZATION_VERSION = 2  # ggml's GGML_QNT_VERSION, written by llama-quantize
+
+
+@dataclass(frozen=True, slots=True)
+class Llama3Rope:
+    """Llama 3.1's rope scaling, which convert_hf_to_gguf.py stores as a `rope_freqs` tensor."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_context_length: int = 8192
+
+
+@dataclass(frozen=True, slots=True)
+class Architecture:
+    """One model's hyperparameters, as its config.json gives them."""
+
+    name: str  # the twin name's prefix, e.g. "qwen2.5-7b"
+    title: str  # general.name
+    gguf_arch: str  # general.architecture
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    context_length: int
+    rope_theta: float
+    rms_norm_eps: float
+    qkv_bias: bool = False  # Qwen2: biases on q, k and v
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head's q and k
+    tied_embeddings: bool = False  # no output.weight: the embedding is the output projection
+    llama3_rope: Llama3Rope | None = None
+    size_label: str = "7B"
+
+    def tiny(self) -> Architecture:
+        """The same structure at test size (every layer, 256 wide, 512 tokens): seconds to write."""
+        return replace(self, name=f"{self.name}-tiny", title=f"{self.title} (tiny)",
+                       hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                       head_dim=64, vocab_size=512, context_length=4096)  # fmt: skip
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.name: a
+    for a in (
+        Architecture("llama-3.1-8b", "Meta Llama 3.1 8B", "llama", 32, 4096, 14336, 32, 8, 128,
+                     128256, 131072, 500000.0, 1e-5, llama3_rope=Llama3Rope(), size_label="8B"),
+        Architecture("qwen2.5-7b", "Qwen2.5 7B", "qwen2", 28, 3584, 18944, 28, 4, 128,
+                     152064, 32768, 1000000.0, 1e-6, qkv_bias=True),
+        Architecture("mistral-7b-v0.3", "Mistral 7B v0.3", "llama", 32, 4096, 14336, 32, 8, 128,
+                     32768, 32768, 1000000.0, 1e-5),
+        Architecture("qwen3-8b", "Qwen3 8B", "qwen3", 36, 4096, 12288, 32, 8, 128,
+                     151936, 40960, 1000000.0, 1e-6, qk_norm=True, size_label="8B"),
+        # Qwen2.5-Math-7B's shapes (the distill's base); its rope theta is 10,000
+        Architecture("deepseek-r1-distill-qwen-7b", "DeepSeek R1 Distill Qwen 7B", "qwen2", 28,
+                     3584, 18944, 28, 4, 128, 152064, 131072, 10000.0, 1e-6, qkv_bias=True),
+    )
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    """A llama-quantize file type: its default block type and the llama_ftype it records."""
+
+    name: str
+    file_type: int  # general.file_type (llama_ftype)
+    default_type: GGMLType
+    more_bits: bool = False  # Q4_K_M, Q5_K_M: attn_v and ffn_down Q6_K on use_more_bits layers
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("q4_k_m", 15, GGMLType.Q4_K, more_bits=True),
+        Recipe("q5_k_m", 17, GGMLType.Q5_K, more_bits=True),
+        Recipe("q6_k", 18, GGMLType.Q6_K),
+        Recipe("q8_0", 7, GGMLType.Q8_0),
+    )
+}
+
+# llama.cpp's fallback when a row is not a whole number of the chosen type's blocks
+_FALLBACK = {
+    GGMLType.Q4_K: GGMLType.Q5_0,
+    GGMLType.Q5_K: GGMLType.Q5_1,
+    GGMLType.Q6_K: GGMLType.Q8_0,
+}
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def use_more_bits(i_layer: int, num_layers: int) -> bool:
+    """llama.cpp's choice of layers that get more bits: the first and last eighth, and every
+    third layer between."""
+    eighth = num_layers // 8
+    return i_layer < eighth or i_layer >= 7 * num_layers // 8 or (i_layer - eighth) % 3 == 2
+
+
+def tensor_type(recipe: Recipe, spec: TensorSpec, num_layers: int, tied: bool) -> GGMLType:
+    """The block type llama-quantize gives one tensor (llama_tensor_get_type for these ftypes)."""
+    name = spec.name
+    if len(spec.shape) < 2 or not name.endswith("weight") or "_norm.weight" in name:
+        return GGMLType.F32  # converted as F32 and never quantized
+    chosen = recipe.default_type
+    cols = spec.shape[-1]
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        if cols % BLOCK_SIZES[chosen][0] or chosen == GGMLType.Q8_0:
+            return GGMLType.Q8_0
+        chosen = GGMLType.Q6_K
+    elif name.endswith(("attn_v.weight", "ffn_down.weight")) and recipe.more_bits:
+        if use_more_bits(_layer_of(name), num_layers):
+            chosen = GGMLType.Q6_K
+    if cols % BLOCK_SIZES[chosen][0]:
+        chosen = _FALLBACK.get(chosen, GGMLType.F16)
+        if cols % BLOCK_SIZES[chosen][0]:
+            chosen = GGMLType.F16
+    return chosen
+
+
+def llama_order(tensors: list[TensorSpec]) -> list[TensorSpec]:
+    """llama-quantize's order: tensors outside the blocks (layer -1) first, then by layer, by name."""
+    return sorted(tensors, key=lambda t: (_layer_of(t.name), t.name))
+
+
+def table_tensors(arch: Architecture, recipe: Recipe) -> list[TensorSpec]:
+    """Every tensor of `arch` quantized with `recipe`, in the file's order."""
+    h, ff, q, kv = (arch.hidden_size, arch.intermediate_size, arch.num_heads * arch.head_dim,
+                    arch.num_kv_heads * arch.head_dim)  # fmt: skip
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (arch.vocab_size, h),
+                                          "output_norm.weight": (h,)}  # fmt: skip
+    if not arch.tied_embeddings:
+        shapes["output.weight"] = (arch.vocab_size, h)
+    if arch.llama3_rope is not None:
+        shapes["rope_freqs.weight"] = (arch.head_dim // 2,)
+    for i in range(arch.num_layers):
+        layer = {"attn_norm.weight": (h,), "attn_q.weight": (q, h), "attn_k.weight": (kv, h),
+                 "attn_v.weight": (kv, h), "attn_output.weight": (h, q), "ffn_norm.weight": (h,),
+                 "ffn_gate.weight": (ff, h), "ffn_up.weight": (ff, h), "ffn_down.weight": (h, ff)}  # fmt: skip
+        if arch.qkv_bias:
+            layer.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+        if arch.qk_norm:
+            layer.update({"attn_q_norm.weight": (arch.head_dim,),
+                          "attn_k_norm.weight": (arch.head_dim,)})  # fmt: skip
+        shapes.update({f"blk.{i}.{short}": shape for short, shape in layer.items()})
+    specs = [TensorSpec(name, shape, GGMLType.F32) for name, shape in shapes.items()]
+    return llama_order(
+        [
+            replace(s, ggml_type=tensor_type(recipe, s, arch.num_layers, arch.tied_embeddings))
+            for s in specs
+        ]
+    )
+
+
+def table_metadata(
+    arch: Architecture, recipe: Recipe, description: str
+) -> tuple[list[MetaValue], list[MetaValue]]:
+    """The metadata before and after the tokenizer's keys, in convert_hf_to_gguf.py's order."""
+    a = arch.gguf_arch
+    head = [meta("general.architecture", a, STRING), meta("general.type", "model", STRING),
+            meta("general.name", arch.title, STRING),
+            meta("general.description", description, STRING),
+            meta("general.size_label", arch.size_label, STRING),
+            meta(f"{a}.block_count", arch.num_layers, UINT32),
+            meta(f"{a}.context_length", arch.context_length, UINT32),
+            meta(f"{a}.embedding_length", arch.hidden_size, UINT32),
+            meta(f"{a}.feed_forward_length", arch.intermediate_size, UINT32),
+            meta(f"{a}.attention.head_count", arch.num_heads, UINT32),
+            meta(f"{a}.attention.head_count_kv", arch.num_kv_heads, UINT32),
+            meta(f"{a}.rope.freq_base", arch.rope_theta, FLOAT32),
+            meta(f"{a}.attention.layer_norm_rms_epsilon", arch.rms_norm_eps, FLOAT32)]  # fmt: skip
+    if arch.qk_norm or arch.head_dim * arch.num_heads != arch.hidden_size:
+        head += [meta(f"{a}.attention.key_length", arch.head_dim, UINT32),
+                 meta(f"{a}.attention.value_length", arch.head_dim, UINT32)]  # fmt: skip
+    if a == "llama":
+        head += [meta(f"{a}.vocab_size", arch.vocab_size, UINT32),
+                 meta(f"{a}.rope.dimension_count", arch.head_dim, UINT32)]  # fmt: skip
+    tail = [meta("general.quantization_version", QUANTIZATION_VERSION, UINT32),
+            meta("general.file_type", recipe.file_type, UINT32)]  # fmt: skip
+    return head, tail
+
+
+def llama3_rope_factors(arch: Architecture) -> list[float]:
+    """`rope_freqs.weight`: each rotary frequency's divisor under Llama 3.1's scaling (1 for the
+    short wavelengths, `factor` for the long ones, a smooth blend between)."""
+    rope = arch.llama3_rope
+    assert rope is not None
+    low_wavelen = rope.original_context_length / rope.low_freq_factor
+    high_wavelen = rope.original_context_length / rope.high_freq_factor
+    factors = []
+    for i in range(0, arch.head_dim, 2):
+        wavelen = 2 * math.pi * arch.rope_theta ** (i / arch.head_dim)
+        if wavelen < high_wavelen:
+            factors.append(1.0)
+        elif wavelen > low_wavelen:
+            factors.append(rope.factor)
+        else:
+            smooth = (rope.original_context_length / wavelen - rope.low_freq_factor) / (
+                rope.high_freq_factor - rope.low_freq_factor
+            )
+            factors.append(1.0 / ((1 - smooth) / rope.factor + smooth))
+    return factors
+
+
+def keep_layers(tensors: list[TensorSpec], num_layers: int) -> list[TensorSpec]:
+    """The tensors of the first `num_layers` blocks and those outside the blocks."""
+    return [t for t in tensors if _layer_of(t.name) < num_layers]
+
+
+def _layer_of(name: str) -> int:
+    m = _LAYER.match(name)
+    return int(m[1]) if m else -1
