@@ -1,14 +1,20 @@
-"""`tidal bench compare --target-tpot-ms`: the TPOT-target run joins the target list beside tidal."""
+"""`tidal bench compare`: the TPOT-target run joins the target list beside tidal; the llama.cpp and
+ik_llama.cpp targets' commands and exit statuses."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from tidal.bench.baselines import IK_LLAMA_CPP, LLAMA_CPP
 from tidal.bench.compare import (
     TARGETS,
     TPOT_TARGET,
     ServerHandle,
     context_tokens,
+    llama_server_command,
+    start_target,
     target_list,
     tidal_command,
 )
@@ -68,7 +74,7 @@ def test_a_server_killed_by_sigill_while_loading_says_why(tmp_path) -> None:
     server = tmp_path / "llama-server"
     server.write_text("#!/bin/sh\necho loading\nsleep 0.2\nkill -ILL $$\n")
     server.chmod(0o755)
-    handle = ServerHandle([str(server)], tmp_path / "s.log", "http://127.0.0.1:9", llama_cpp=True)
+    handle = ServerHandle([str(server)], tmp_path / "s.log", "http://127.0.0.1:9", LLAMA_CPP)
     try:
         with pytest.raises(RuntimeError, match=r"^server was killed by SIGILL \(an illegal"):
             handle.wait_ready("/health", 30.0)
@@ -82,3 +88,64 @@ def test_a_server_killed_by_sigill_while_loading_says_why(tmp_path) -> None:
             handle.wait_ready("/health", 30.0)
     finally:
         handle.stop()
+
+
+def test_ik_server_runs_as_llama_servers_with_run_time_repacking() -> None:
+    """The same slots, context, threads and flags as llama.cpp's target, then ik's -rtr (a flag
+    in its server, unlike its llama-bench's `-rtr 1`)."""
+    names, targets = target_list("tidal,llama.cpp,ik_llama.cpp", None)
+    assert names == ["tidal", "llama.cpp", "ik_llama.cpp"]
+    assert targets["ik_llama.cpp"].kind == "ik_llama.cpp" and "ik_llama.cpp" in TARGETS
+    args = build_parser().parse_args(["bench", "compare", "--parallel", "4", "--threads", "2"])
+    llama = llama_server_command("/l/llama-server", LLAMA_CPP, Path("m.gguf"), 8080, args)
+    ik = llama_server_command("/ik/llama-server", IK_LLAMA_CPP, Path("m.gguf"), 8080, args)
+    assert ik == ["/ik/llama-server", *llama[1:], "-rtr"]
+    no_fa = TARGETS["ik_llama.cpp-no-fa"]
+    assert no_fa.kind == "ik_llama.cpp" and no_fa.args == ("-fa", "off")
+    assert llama[llama.index("-c") + 1] == str(4096 * 4) and "--cont-batching" in llama
+    assert llama[llama.index("--parallel") + 1] == "4" and llama[llama.index("-t") + 1] == "2"
+
+
+def test_an_unbuilt_ik_server_is_skipped_with_its_build_script(tmp_path, monkeypatch) -> None:
+    """llama.cpp's llama-server on PATH does not stand in for ik_llama.cpp's."""
+    (tmp_path / "llama-server").write_text("#!/bin/sh\n")
+    (tmp_path / "llama-server").chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("TIDAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("IK_LLAMA_SERVER", raising=False)
+    args = build_parser().parse_args(["bench", "compare"])
+    with pytest.raises(FileNotFoundError, match=r"ik_llama.cpp/bin/llama-server is not built: run "
+                       r"scripts/build_ik_llama.sh"):  # fmt: skip
+        start_target(TARGETS["ik_llama.cpp"], tmp_path / "m.gguf", args, tmp_path)
+
+
+def test_an_ik_server_starts_from_its_bin_dir_and_says_how_it_was_built(
+    tmp_path, monkeypatch
+) -> None:
+    bin_dir = tmp_path / "ik" / "bin"
+    bin_dir.mkdir(parents=True)
+    server = bin_dir / "llama-server"
+    server.write_text("#!/bin/sh\necho log > llama.log\nkill -ILL $$\n")  # as ik's: ./llama.log
+    server.chmod(0o755)
+    (bin_dir / "FLAVOR").write_text("native\n")
+    (bin_dir / "COMMIT").write_text("8337e4cd\n")
+    monkeypatch.setenv("IK_LLAMA_SERVER", str(server))
+    args = build_parser().parse_args(["bench", "compare"])
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    monkeypatch.chdir(tmp_path)
+    handle, ready = start_target(TARGETS["ik_llama.cpp"], Path("m.gguf"), args, log_dir)
+    try:
+        assert ready == "/health" and handle.baseline is IK_LLAMA_CPP
+        assert handle.cmd[0] == str(server) and handle.cmd[-1] == "-rtr"
+        assert handle.cmd[handle.cmd.index("-m") + 1] == str(tmp_path / "m.gguf")
+        with pytest.raises(RuntimeError, match=r"^server was killed by SIGILL \(an illegal "
+                           r"instruction: ik_llama.cpp is built for the CPU it was built on"):  # fmt: skip
+            handle.wait_ready(ready, 30.0)
+    finally:
+        handle.stop()
+    assert (log_dir / "llama.log").exists() and not (tmp_path / "llama.log").exists()
+    assert IK_LLAMA_CPP.built(bin_dir) == "native from 8337e4cd"
+    (bin_dir / "FLAVOR").unlink()
+    assert IK_LLAMA_CPP.built(bin_dir) == "from 8337e4cd"
+    assert LLAMA_CPP.built(bin_dir) is None  # no SDIST, no FLAVOR

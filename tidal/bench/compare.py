@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from tidal.bench.llama_bench import build_flavor, describe_exit
+from tidal.bench.baselines import BASELINES, Baseline
+from tidal.bench.llama_bench import describe_exit
 from tidal.bench.run import RunConfig, resolve_model, run_sweep
 from tidal.bench.run_stats import SLO, RunStats
 from tidal.bench.stream_client import RequestOptions, RequestRecord
@@ -34,7 +34,7 @@ class Target:
     """One server to benchmark: `kind` says how to start it; `args` are added to its command."""
 
     name: str
-    kind: str  # "tidal" | "hf-static" | "llama.cpp"
+    kind: str  # "tidal" | "hf-static" | a baseline's name ("llama.cpp", "ik_llama.cpp")
     args: tuple[str, ...] = ()
     about: str = ""
 
@@ -97,19 +97,25 @@ TARGETS: dict[str, Target] = {
             "is per replica)",
         ),  # fmt: skip
         Target("llama.cpp", "llama.cpp", (), "llama-server, continuous batching, --parallel N"),
+        Target(
+            "ik_llama.cpp",
+            "ik_llama.cpp",
+            (),
+            "ik_llama.cpp's llama-server as llama.cpp's, with -rtr (weights repacked at load, so "
+            "no mmap: its RSS holds the model); -fa and -mla 3 are its defaults",
+        ),  # fmt: skip
+        # NOTE: ik_llama.cpp 8337e4c's flash attention aborts now and then on Gemma 3's sliding-
+        # window layers ("found empty attention mask", SIGABRT): this target runs without it.
+        Target(
+            "ik_llama.cpp-no-fa",
+            "ik_llama.cpp",
+            ("-fa", "off"),
+            "ik_llama.cpp as above without flash attention (slower; its FA can abort on "
+            "sliding-window models)",
+        ),  # fmt: skip
         Target("hf-static", "hf-static", (), "BASELINE: transformers, static batches"),
     )
 }
-
-
-def llama_server_path() -> Path:
-    """Where scripts/build_llama_server.sh puts the binary (LLAMA_SERVER overrides)."""
-    if os.environ.get("LLAMA_SERVER"):
-        return Path(os.environ["LLAMA_SERVER"])
-    cache = os.environ.get("TIDAL_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tidal"
-    )
-    return Path(cache) / "llama.cpp" / "bin" / "llama-server"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -135,15 +141,22 @@ class ServerHandle:
     """A started target: its process, base URL and log file; `stop()` always ends it."""
 
     def __init__(
-        self, cmd: list[str], log_path: Path, base_url: str | None = None, llama_cpp: bool = False
+        self,
+        cmd: list[str],
+        log_path: Path,
+        base_url: str | None = None,
+        baseline: Baseline | None = None,
     ) -> None:
         self.cmd = cmd
-        self.llama_cpp = llama_cpp  # its exit statuses are explained as llama.cpp's
+        self.baseline = baseline  # a baseline's exit statuses are explained as its own
         self.log_path = log_path
         self._log: IO[str] = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        # NOTE: a baseline runs in its log's directory: ik_llama.cpp's server writes a llama.log
+        # of its own into its working directory (its paths are absolute, start_target).
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            cwd=log_path.parent if baseline is not None else None,
         )  # fmt: skip
         self.base_url = base_url
         self._found = threading.Event()
@@ -169,7 +182,7 @@ class ServerHandle:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(
-                    f"server {describe_exit(self.proc.returncode, self.llama_cpp)}; see {self.log_path}"
+                    f"server {describe_exit(self.proc.returncode, self.baseline)}; see {self.log_path}"
                 )
             try:
                 with urllib.request.urlopen(self.base_url + ready_path, timeout=5) as resp:
@@ -226,19 +239,31 @@ def start_target(
         cmd = [sys.executable, "-m", "tidal.bench.hf_static_server", *common, "--model", str(gguf),
                "--batch-size", str(args.parallel), "--threads", str(args.threads)]  # fmt: skip
         return ServerHandle(cmd + list(t.args), log), "/ready"
-    if t.kind == "llama.cpp":
-        binary = which_llama_server()
+    if t.kind in BASELINES:
+        baseline = BASELINES[t.kind]
+        binary = baseline.find_server()
         if binary is None:
             raise FileNotFoundError(
-                f"{llama_server_path()} is not built: run scripts/build_llama_server.sh"
+                f"{baseline.server_path()} is not built: run {baseline.build_script}"
             )
         port = _free_port()  # llama-server cannot pick one and tell us; a tiny race, accepted
-        cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "--parallel", str(args.parallel), "--cont-batching", "--metrics",
-               "-c", str(context_tokens(args)), "-t", str(args.threads)]  # fmt: skip
-        handle = ServerHandle(cmd + list(t.args), log, f"http://127.0.0.1:{port}", llama_cpp=True)
-        return handle, "/health"
-    raise ValueError(f"target kind={t.kind!r} is invalid: expected tidal, hf-static or llama.cpp")
+        cmd = llama_server_command(os.path.abspath(binary), baseline, gguf.absolute(), port, args)
+        cmd += list(t.args)
+        return ServerHandle(cmd, log, f"http://127.0.0.1:{port}", baseline), "/health"
+    raise ValueError(
+        f"target kind={t.kind!r} is invalid: expected tidal, hf-static or one of {list(BASELINES)}"
+    )
+
+
+def llama_server_command(
+    binary: str, baseline: Baseline, gguf: Path, port: int, args: argparse.Namespace
+) -> list[str]:
+    """llama-server of a baseline, configured as every baseline's is (slots, context, threads),
+    with the baseline's own flags for speed on a CPU after."""
+    cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "--parallel", str(args.parallel), "--cont-batching", "--metrics",
+           "-c", str(context_tokens(args)), "-t", str(args.threads)]  # fmt: skip
+    return cmd + list(baseline.server_args)
 
 
 def context_tokens(args: argparse.Namespace) -> int:
@@ -307,12 +332,12 @@ def run(args: argparse.Namespace) -> int:
                 runs.append(stats)
                 records.append(recs)
             about = t.about
-            if handle.llama_cpp and (flavor := build_flavor(Path(handle.cmd[0]).parent)):
-                about += f"; built {flavor}"
+            if handle.baseline and (built := handle.baseline.built(Path(handle.cmd[0]).parent)):
+                about += f"; built {built}"
             notes.setdefault(name, f"{about}; ready after {load_s:.0f} s")
             if (rc := handle.proc.poll()) is not None:  # it died during the runs
                 notes[name] += (
-                    f"; the server {describe_exit(rc, handle.llama_cpp)} during the runs, see {handle.log_path}"
+                    f"; the server {describe_exit(rc, handle.baseline)} during the runs, see {handle.log_path}"
                 )
         except (RuntimeError, OSError, ValueError) as e:  # ValueError: http.client.InvalidURL
             notes[name] = f"failed: {e}"
@@ -345,9 +370,3 @@ def target_list(text: str, target_tpot_ms: float | None) -> tuple[list[str], dic
         hint = f" ({TPOT_TARGET} needs --target-tpot-ms)" if TPOT_TARGET in unknown else ""
         raise ValueError(f"targets={unknown} is invalid: expected names from {list(targets)}{hint}")
     return names, targets
-
-
-def which_llama_server() -> str | None:
-    """The built llama-server, else one on PATH, else None."""
-    p = llama_server_path()
-    return str(p) if p.exists() else shutil.which("llama-server")

@@ -2,7 +2,9 @@
 
     tidal bench kernels --threads 2 --repetitions 3 --json k.json --markdown k.md --profile
 
-Three measures, each side by side with llama.cpp's figure for it, in tokens/s:
+Three measures, each side by side with the baselines' figures for it (llama.cpp's, and
+ik_llama.cpp's where `--baselines` names it or it is built: the better of its default run and
+its `-rtr 1` run, per measure), in tokens/s:
 
 - pp512: one prompt of 512 tokens (BOS + seeded random ids, as llama-bench draws them), timed to
   its first token (tidal: max_tokens=1, arrival -> first token; llama-bench: `-p 512`).
@@ -31,13 +33,15 @@ import json
 import re
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
-from tidal.bench.llama_bench import Measure, llama_bin_dir, run_llama
-from tidal.bench.step_profile import StepProfile, profile_decode, profile_markdown
+from tidal.bench.baselines import BASELINES, IK_LLAMA_CPP, LLAMA_CPP, Baseline
+from tidal.bench.kernels_report import Row, markdown_report
+from tidal.bench.llama_bench import Measure, run_baseline
+from tidal.bench.step_profile import StepProfile, profile_decode
 
 # The CPU features that decide which matmul paths exist (tidal's kernels and ggml-cpu alike).
 RELEVANT_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni",
@@ -71,37 +75,6 @@ class KernelsConfig:
         n, npp = self.decode_tokens, self.batch_prompt_tokens
         ctx = "" if npp == DEFAULT_BATCH_PROMPT_TOKENS else f"-pp{npp}"
         return f"pp{self.prompt_tokens}", f"tg{n}", f"b{self.batch_seqs}{ctx}-tg{n}"
-
-
-class Row(NamedTuple):
-    """One measure, both systems; None where a system did not run."""
-
-    name: str
-    tidal: Measure | None
-    llama: Measure | None
-
-    @property
-    def ratio(self) -> float | None:
-        """tidal / llama.cpp of the medians: below 1 means tidal is slower."""
-        if self.tidal is None or self.llama is None or self.llama.median <= 0:
-            return None
-        return self.tidal.median / self.llama.median
-
-    def line(self) -> str:
-        def one(m: Measure | None) -> str:
-            if m is None:
-                return "-"
-            lo, hi = m.spread
-            return f"{m.median:8.1f} tok/s [{lo:.1f}-{hi:.1f}]"
-
-        ratio = "-" if self.ratio is None else f"{self.ratio:.2f}"
-        return (
-            f"{self.name:<9} tidal {one(self.tidal)} | llama.cpp {one(self.llama)} | ratio {ratio}"
-        )
-
-    def record(self) -> dict[str, Any]:
-        tidal, llama = (m.record() if m is not None else None for m in (self.tidal, self.llama))
-        return {"name": self.name, "tidal": tidal, "llama_cpp": llama, "ratio": self.ratio}
 
 
 # --------------------------------------------------------------------------------------------
@@ -316,70 +289,6 @@ def cpu_flags(text: str | None = None) -> dict[str, bool]:
     return {f: f in have for f in RELEVANT_FLAGS}
 
 
-def markdown_report(
-    record: dict[str, Any], rows: Sequence[Row], steps: Sequence[StepProfile] = ()
-) -> str:
-    flags = record["cpu_flags"]
-    build = record["llama_cpp"].get("build", {})
-    llama = (f"build {build.get('build_number', '?')} (commit {build.get('build_commit', '?')}), "
-             f"{build.get('backends', '?')}" if build else "not run")  # fmt: skip
-    tidal = record["tidal"]
-    conf = tidal.get("config", {})
-    picked = (("dtype", conf.get("hardware", {}).get("dtype")),
-              ("quantization", conf.get("model", {}).get("quantization")),
-              ("max_num_seqs", conf.get("scheduler", {}).get("max_num_seqs")),
-              ("max_num_batched_tokens", conf.get("scheduler", {}).get("max_num_batched_tokens")))  # fmt: skip
-    model = f" ({build['model_type']})" if "model_type" in build else ""
-    sampling = record.get("workload", {}).get("sampling") or {}
-    drawn = (f"samples every token ({', '.join(f'{k}={v!r}' for k, v in sampling.items())}; "
-             "llama.cpp's benches do not sample)" if sampling else "greedy")  # fmt: skip
-    lines = [
-        f"- CPU: {record['machine']['cpu_model']} ({record['machine']['cpu_count']} logical); "
-        f"has {' '.join(f for f, v in flags.items() if v) or '-'}; "
-        f"lacks {' '.join(f for f, v in flags.items() if not v) or '-'}",
-        f"- threads: {record['threads']}; GGUF: `{record['gguf']}`{model}",
-        f"- tidal: LLM({', '.join(f'{k}={v!r}' for k, v in tidal['args'].items()) or 'defaults'})"
-        f": {', '.join(f'{k} {v}' for k, v in picked if v is not None)}; "
-        f"torch {tidal.get('torch', '?')}; {drawn}",
-        *kernels_line(tidal.get("kernels")),
-        f"- llama.cpp: {llama}"
-        + (
-            f"; binaries from `{record['llama_cpp']['bin_dir']}`"
-            + (f", built {flavor}" if (flavor := record["llama_cpp"].get("flavor")) else "")
-            if record["llama_cpp"].get("bin_dir") and build
-            else ""
-        ),
-        f"- {record['repetitions']} repetitions: median [min-max]; ratio = tidal / llama.cpp",
-        "",
-        "| measure | tidal tok/s | llama.cpp tok/s | tidal / llama.cpp |",
-        "|---|---|---|---|",
-    ]
-    for r in rows:
-        cells = []
-        for m in (r.tidal, r.llama):
-            lo, hi = m.spread if m is not None else (0.0, 0.0)
-            cells.append("-" if m is None else f"{m.median:.1f} [{lo:.1f}-{hi:.1f}]")
-        ratio = "-" if r.ratio is None else f"{r.ratio:.2f}"
-        lines.append(f"| {r.name} | {cells[0]} | {cells[1]} | {ratio} |")
-    lines += [f"- {n}" for n in record["llama_cpp"].get("notes", [])]
-    text = "\n".join(lines) + "\n"
-    for p in steps:  # each beside its measure's rate without the profiler
-        m = rows[1 if p.seqs == 1 else 2].tidal if len(rows) > 2 else None
-        rate = f"; without the profiler: {1e3 * p.seqs / m.median:.2f} ms per step" if m else ""
-        text += "\n" + profile_markdown(p).replace(" layers:", f" layers{rate}:", 1)
-    return text
-
-
-def kernels_line(kernels: dict[str, Any] | None) -> list[str]:
-    """The report's line on tidal's kernel paths and the settings that lowered them ([] when the
-    record has none)."""
-    if not kernels:
-        return []
-    paths = ", ".join(f"{k} {v or 'not built'}" for k, v in kernels["paths"].items())
-    caps = ", ".join(f"{k}={v}" for k, v in kernels["caps"].items())
-    return [f"- tidal kernels: {paths}" + (f" (lowered: {caps})" if caps else "")]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = KernelsConfig()
     p.add_argument("--model", default=None, help="GGUF file (default: the bundled Gemma 3 270M)")
@@ -392,14 +301,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="sequences of the batched decode measure")  # fmt: skip
     p.add_argument("--batch-prompt-tokens", type=int, default=d.batch_prompt_tokens,
                    help="each batched sequence's prompt (e.g. 2048: decode over long chats)")  # fmt: skip
+    p.add_argument("--baselines", default=None, metavar="NAME[,NAME]",
+                   help=f"baselines beside tidal, from {list(BASELINES)} (default: those whose "
+                   "llama-bench is built, else llama.cpp)")  # fmt: skip
     p.add_argument("--llama-bin-dir", default=None,
-                   help="where llama-bench and llama-batched-bench are (default: tidal's cache)")  # fmt: skip
+                   help="where llama.cpp's llama-bench and llama-batched-bench are "
+                   "(default: tidal's cache)")  # fmt: skip
+    p.add_argument("--ik-bin-dir", default=None,
+                   help="where ik_llama.cpp's are (default: tidal's cache, where "
+                   "scripts/build_ik_llama.sh puts them)")  # fmt: skip
     p.add_argument("--tidal-arg", action="append", default=None, metavar="KEY=VALUE",
                    help="passed to tidal.LLM(...), e.g. quantization=int8 or dtype=bfloat16")  # fmt: skip
     p.add_argument("--sampling", action="append", default=None, metavar="KEY=VALUE",
                    help="tidal's requests sample with these SamplingParams fields, e.g. "
                    "temperature=0.8 (default: greedy)")  # fmt: skip
-    p.add_argument("--no-llama", dest="llama", action="store_false", help="tidal's side only")
+    p.add_argument("--no-llama", dest="llama", action="store_false",
+                   help="tidal's side only (no baselines)")  # fmt: skip
     p.add_argument("--profile", action="store_true",
                    help="split decode steps (one sequence, then the batched measure's) into native "
                    "kernels, the sampler, aten and the rest")  # fmt: skip
@@ -408,8 +325,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--markdown", default=None, help="write the tables here")
 
 
+def baseline_list(text: str | None, bin_dirs: dict[str, str | None]) -> list[Baseline]:
+    """--baselines "llama.cpp,ik_llama.cpp" -> those baselines, in that order; None: each one
+    whose llama-bench is in its bin dir (bin_dirs: the --*-bin-dir options), else llama.cpp
+    alone (whose note then says how to build it)."""
+    if text is None:
+        built = [b for b in BASELINES.values()
+                 if b.find(b.bin_dir(bin_dirs.get(b.name)), "llama-bench")]  # fmt: skip
+        return built or [LLAMA_CPP]
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BASELINES]
+    if unknown or not names:
+        raise ValueError(f"--baselines={text!r} is invalid: expected names from {list(BASELINES)}")
+    return [BASELINES[n] for n in dict.fromkeys(names)]
+
+
 def run(args: argparse.Namespace) -> int:
-    """`tidal bench kernels`: llama.cpp's two benches, then tidal's, on one GGUF; one report."""
+    """`tidal bench kernels`: the baselines' two benches, then tidal's, on one GGUF; one report."""
     from tidal.bench.report import machine_info, write_markdown
 
     for name in ("threads", "repetitions", "profile_steps", "prompt_tokens", "batch_seqs",
@@ -427,13 +359,19 @@ def run(args: argparse.Namespace) -> int:
         from tidal.loader.bundled import bundled_model_path
 
         gguf = bundled_model_path()
+    bin_dirs = {LLAMA_CPP.name: args.llama_bin_dir, IK_LLAMA_CPP.name: args.ik_bin_dir}
+    chosen = baseline_list(args.baselines, bin_dirs) if args.llama else []
     started = time.perf_counter()
-    llama: dict[str, Measure] = {}
-    llama_info: dict[str, Any] = {"notes": ["not run (--no-llama)"]}
-    if args.llama:
-        llama, llama_info = run_llama(cfg, gguf, llama_bin_dir(args.llama_bin_dir))
+    measures: dict[str, dict[str, Measure]] = {}
+    infos: dict[str, dict[str, Any]] = {}
+    for b in chosen:
+        measures[b.name], infos[b.name] = run_baseline(cfg, gguf, b, b.bin_dir(bin_dirs[b.name]))
     tidal, settings, steps = run_tidal(cfg, gguf, tidal_args, args.profile)
-    rows = [Row(name, tidal.get(name), llama.get(name)) for name in cfg.names()]
+    llama, ik = measures.get(LLAMA_CPP.name, {}), measures.get(IK_LLAMA_CPP.name, {})
+    ik_chosen = infos.get(IK_LLAMA_CPP.name, {}).get("chosen", {})
+    rows = [Row(name, tidal.get(name), llama.get(name), ik.get(name), ik_chosen.get(name))
+            for name in cfg.names()]  # fmt: skip
+    why = "not run (--no-llama)" if not args.llama else "not run (--baselines)"
     record: dict[str, Any] = {
         "machine": machine_info(),
         "cpu_flags": cpu_flags(),
@@ -442,7 +380,8 @@ def run(args: argparse.Namespace) -> int:
         "repetitions": cfg.repetitions,
         "workload": asdict(cfg),
         "tidal": settings,
-        "llama_cpp": llama_info,
+        LLAMA_CPP.key: infos.get(LLAMA_CPP.name, {"notes": [why]}),  # always there, as before
+        **{b.key: infos[b.name] for b in chosen if b is not LLAMA_CPP},
         "measures": [r.record() for r in rows],
         "profiles": [
             {**asdict(p), "other_s": p.other_s, "native_by_name": dict(p.native_by_name)}
