@@ -174,7 +174,7 @@ ALWAYS void x_vectors(int type, const uint8_t *xr, __m512i xv[4]) {
 ALWAYS void prefetch_part(const uint8_t *p, int64_t i, int64_t n, int64_t bytes) {
     if (!p) return;
     int64_t a = i * bytes / n, e = (i + 1) * bytes / n;
-    for (int64_t o = a; o < e; o += 64) __builtin_prefetch(p + o, 0, 3);
+    for (int64_t o = a; o < e; o += 64) __builtin_prefetch(p + o, 0, 2); /* L2 */
 }
 
 ALWAYS void kdecode(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
@@ -186,7 +186,6 @@ ALWAYS void kdecode(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
     __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t b = 0; b < nb; b++) {
-        prefetch_part(next, b, nb, KD_ROWS * rb);
         const int64_t at = b * bb;
         /* the rows' scales: sc[s], mn[s] per 16 codes s (Q4_K, Q5_K: per 32, s = 2j) */
         __m512i dw[4], sc8[4], mn8[2], d16;
@@ -222,6 +221,9 @@ ALWAYS void kdecode(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
              * within 128-bit lanes; each row's codes are decoded once for every row of x */
             __m512i V[2][2][4];
             for (int q = 0; q < 4; q++) {
+                /* the next rows' bytes in eight parts a super-block: bursts of prefetches
+                 * between the loads measured slower than a few at a time */
+                prefetch_part(next, 8 * b + 4 * k2 + q, 8 * nb, KD_ROWS * rb);
                 __m512i p[2][2][4];
                 for (int r = 0; r < 4; r++) {
                     __m512i codes[2];
