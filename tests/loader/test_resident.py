@@ -271,3 +271,18 @@ def test_huge_pages_off_keeps_every_matrix_mapped(
         for llm in (off, on)
     ]
     assert out[0].outputs[0].token_ids == out[1].outputs[0].token_ids
+
+
+def test_wait_promoted_returns_once_the_background_copy_is_done(tmp_path: Path) -> None:
+    """A benchmark waits for the background move before it times anything: wait_promoted returns
+    True only once the thread promote_in_background started has moved what was pending."""
+    path = tmp_path / "blob"
+    data = torch.randint(0, 256, (HUGE_PAGE_BYTES + 99,), dtype=torch.uint8)
+    path.write_bytes(data.numpy().tobytes())
+    t = map_resident(path, 0, data.numel())
+    thread = resident.promote_in_background()
+    assert resident.wait_promoted(timeout_s=60.0)
+    if thread is not None:
+        assert not thread.is_alive()
+    assert torch.equal(t, data)  # the same bytes, wherever they live now
+    assert resident.wait_promoted(timeout_s=0.0)  # nothing in flight: returns at once
