@@ -158,6 +158,23 @@ def test_amx_against_avx512(t: Q, m: int) -> None:
     check(fused[:, :35], x, w, "q8")
 
 
+@pytest.mark.skipif("amx" not in ISAS, reason="no AMX path here")
+@pytest.mark.parametrize("t", [Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.IQ4_XS], ids=lambda t: t.name)
+def test_amx_groups_and_k_blocks_give_the_same_bits(t: Q) -> None:
+    """The tile path decodes up to eight panels of 16 weight rows at once and takes K in blocks
+    of 112 runs, each output's float chain going on from one block to the next: with N 531 (four
+    whole groups of 128 rows, then one of two panels, the last three rows long) and K 3840 (a
+    block of 112 runs and one of 8), AVX-512's bits, on one thread and two."""
+    k = 3840
+    w = weight(t, 531, k, random_bytes=True)
+    torch.manual_seed(12)
+    x = torch.randn(20, k)
+    for threads in (1, 2):
+        want = gg.gguf_gemm(x, w, "q8", "avx512", threads=threads)
+        assert torch.equal(gg.gguf_gemm(x, w, "q8", "amx", threads=threads), want)
+    check(want, x, w, "q8")
+
+
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
 

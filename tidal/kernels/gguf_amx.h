@@ -13,14 +13,17 @@
  * side by side are more streams than the hardware prefetcher follows (the LM head at 32 rows of x
  * took 1.7x as long without it).
  * The float steps are the other paths' (gguf_gemm.c's top): per run, in run order,
- *     acc = fma((float)s, d_w * d_x, acc)                       runs of 32
- *     acc = fma((float)s, d * d_x, acc); acc = fma(-(float)smin, dmin * d_x, acc)   K-quants
- * with s and smin the same integers, so this path gives the other paths' bits: a row's result does
- * not depend on whether its batch ran here or on AVX-512. Q6_K (a scale per 16 codes) stays on
+ *     acc = fma((float)s, d_w * d_x, acc)                                   runs of 32
+ *     acc = fma((float)s, (d * sc) * d_x, acc); acc = fma(-(d_x * bsum), dmin * m, acc)
+ *                                                                           Q4_K, Q5_K
+ * with s the same integers, so this path gives the other paths' bits: a row's result does not
+ * depend on whether its batch ran here or on AVX-512. Q6_K (a scale per 16 codes) stays on
  * AVX-512: its two dot products per run, each stored and scaled, made it 0.95x of AVX-512 VNNI.
  * Where the time goes (a run of 32, 16 x 16, one core, cycles at the TSC's rate, Xeon family 6
- * model 207): the tile instructions ~26-40, the float steps ~23 (runs of 32) and ~57 (K-quants),
- * and the two hardly overlap, as the float steps read the tile stores back from L1.
+ * model 207): the tile instructions ~26-40, the float steps ~23 (runs of 32), and the two hardly
+ * overlap, as the float steps read the tile stores back from L1. The K-quants' float steps took
+ * ~67 cycles alone (140 with the tiles, model 167) while their scales sat inside s; with d*sc
+ * and dmin*m as floats per run (four operations per output) 57 with the tiles.
  * The accumulators hold the 16 rows of x of one output in a vector, so a tile's results are
  * written transposed into y.
  * Float activations (act f32) stay off the tiles. AMX-BF16 can give a float32-class product:
@@ -118,9 +121,8 @@ ALWAYS void amx_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb
             memset(a, 0, (size_t)(32 * runs));
             memset(S->d + n * per, 0, (size_t)per * sizeof(float));
             if (runs32(type)) continue;
-            memset(S->dm + n * nb, 0, (size_t)nb * sizeof(float));
-            memset(S->sc + n * nb * 16, 0, (size_t)nb * 16 * sizeof(float));
-            memset(S->mn + n * nb * 16, 0, (size_t)nb * 16 * sizeof(float));
+            memset(S->sc + n * runs, 0, (size_t)runs * sizeof(float));
+            memset(S->mn + n * runs, 0, (size_t)runs * sizeof(float));
             continue;
         }
         if (runs32(type)) {
@@ -131,15 +133,13 @@ ALWAYS void amx_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb
             continue;
         }
         _Alignas(32) kblock k;
-        for (int64_t b = 0; b < nb; b++) {
+        for (int64_t b = 0; b < nb; b++) { /* Q4_K, Q5_K (k_steps): per run d*sc, dmin*m */
             k_decode_avx2(type, row + b * block_bytes(type), &k, 0);
             memcpy(a + 256 * b, k.q, 256);
-            S->d[n * nb + b] = k.d;
-            S->dm[n * nb + b] = k.dmin;
-            const __m256i sc = _mm256_load_si256((const __m256i *)k.sc);
-            const __m256i mn = _mm256_load_si256((const __m256i *)k.mn);
-            _mm512_store_ps(S->sc + (n * nb + b) * 16, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(sc)));
-            _mm512_store_ps(S->mn + (n * nb + b) * 16, _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(mn)));
+            for (int j = 0; j < 8; j++) {
+                S->sc[n * runs + 8 * b + j] = k.d * (float)k.sc[2 * j];
+                S->mn[n * runs + 8 * b + j] = k.dmin * (float)k.mn[2 * j];
+            }
         }
     }
 }
@@ -159,19 +159,15 @@ ALWAYS void amx_scale_run(int type, const amx_scales *S, int64_t r, int64_t runs
         }
         return;
     }
-    /* Q4_K, Q5_K: one scale and min per 32 codes (sc_a = sc_b, mn_a = mn_b) */
-    const __m512 fbs = _mm512_cvtepi32_ps(
-        _mm512_add_epi32(_mm512_load_si512(x->bs0), _mm512_load_si512(x->bs1)));
-    const int64_t nb = runs / 8, b = r / 8, i = 2 * (r % 8);
+    /* Q4_K, Q5_K (k_steps): the run's d*sc and dmin*m per weight row; x's code sums times dx */
+    const __m512 xb = _mm512_mul_ps(dx, _mm512_cvtepi32_ps(
+        _mm512_add_epi32(_mm512_load_si512(x->bs0), _mm512_load_si512(x->bs1))));
 #pragma GCC unroll 16
     for (int n = 0; n < AMX_N; n++) {
-        const float sc = S->sc[(n * nb + b) * 16 + i], mn = S->mn[(n * nb + b) * 16 + i];
-        __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c[n])), _mm512_set1_ps(sc));
-        __m512 smin = _mm512_mul_ps(fbs, _mm512_set1_ps(mn));
-        __m512 d = _mm512_mul_ps(_mm512_set1_ps(S->d[n * nb + b]), dx);
-        __m512 dm = _mm512_mul_ps(_mm512_set1_ps(S->dm[n * nb + b]), dx);
-        acc[n] = _mm512_fmadd_ps(s, d, acc[n]);
-        acc[n] = _mm512_fnmadd_ps(smin, dm, acc[n]);
+        __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512(c[n]));
+        __m512 ws = _mm512_mul_ps(_mm512_set1_ps(S->sc[n * runs + r]), dx);
+        acc[n] = _mm512_fmadd_ps(s, ws, acc[n]);
+        acc[n] = _mm512_fnmadd_ps(xb, _mm512_set1_ps(S->mn[n * runs + r]), acc[n]);
     }
 }
 
@@ -196,14 +192,14 @@ ALWAYS void amx_dots(int odd, const int8_t *a, int64_t lda, const amx_xrun *x, i
 
 #define AMX_DEPTH 2 /* runs between a run's tile instructions and its float steps */
 
-/* one tile of x (X: its runs) against the panel (A: run r at A + 32 r, rows lda apart).
+/* one tile of x (X: its runs) against the panel (A: run r at A + astep r, rows lda apart), on
+ * from the accumulators acc (the runs before: zeros, or an earlier block's).
  * A run's float steps come AMX_DEPTH runs after its tile instructions: a vector load waits for
  * the tile store before it (no forwarding), and meanwhile the later runs' dot products go on. */
 ALWAYS void amx_tile(int type, const int8_t *A, int64_t lda, int64_t astep, const uint8_t *pf,
                      int64_t pf_bytes, const amx_scales *S,
                      const amx_xrun *X, int64_t runs, __m512 acc[AMX_N]) {
     _Alignas(64) int32_t c[2 * AMX_DEPTH][AMX_N][AMX_M]; /* [run % (2 depth)] */
-    for (int n = 0; n < AMX_N; n++) acc[n] = _mm512_setzero_ps();
     for (int64_t r = 0; r < runs + AMX_DEPTH; r++) {
         if (r < runs) prefetch_part(pf, r, runs, pf_bytes);
         if (r < runs) amx_dots((int)(r & 1), A + astep * r, lda, X + r, c[r % (2 * AMX_DEPTH)][0]);
@@ -224,33 +220,83 @@ static void amx_store(const __m512 acc[AMX_N], int nc, int mt, float *y, int64_t
  * L1's sets where K is a multiple of 64 lines */
 static int64_t amx_lda(int64_t K) { return K + 64; }
 
-/* scratch bytes one thread needs for a panel of K values (the codes, then 6 floats a run a row) */
-static size_t amx_scratch_bytes(int64_t K) {
-    return (size_t)(AMX_N * amx_lda(K)) + (size_t)(AMX_N * 6 * (K / 32)) * sizeof(float);
+/* Blocking (one core, Xeon family 6 model 167, 3584 x 3584 Q4_K against 512 rows of x): one
+ * panel of 16 weight rows against every tile of x streamed x (2.5 MB, more than L2) from L3
+ * for every 16 weight rows: 145 cycles a run and tile pair. AMX_PANELS panels decoded at once
+ * and each tile of x run against all of them: 81 cycles at 8 panels (116 at 2, 98 at 4). Past
+ * AMX_KB runs of K (3584 values) the panels and the tile of x outgrow L2, so K is taken in
+ * blocks of AMX_KB runs, the tiles' accumulators kept between blocks (1.28x at K = 18944). */
+#define AMX_PANELS 8  /* panels per group: 128 weight rows */
+#define AMX_KB 112    /* runs per block of K (a multiple of 8: whole K-quant super-blocks) */
+#define AMX_ROWS_GROUP (AMX_PANELS * AMX_N)
+
+static size_t amx_panel_bytes(int64_t kr) {
+    return (size_t)(AMX_N * amx_lda(32 * kr)) + (size_t)(AMX_N * 6 * kr) * sizeof(float);
 }
 
-/* nc (<= AMX_N) weight rows against every tile of x (X: the tiles' runs) into y */
+/* scratch bytes one thread needs for a group's panels of K values and M rows of x's results */
+static size_t amx_scratch_bytes(int64_t K, int64_t M) {
+    int64_t kr = K / 32 < AMX_KB ? K / 32 : AMX_KB;
+    size_t panels = AMX_PANELS * ((amx_panel_bytes(kr) + 63) / 64 * 64);
+    return panels + (size_t)(AMX_PANELS * ((M + AMX_M - 1) / AMX_M)) * AMX_N * AMX_M * sizeof(float);
+}
+
+/* the byte offset of run r (a multiple of 8) in a row of this type */
+static int64_t amx_run_offset(int type, int64_t r) {
+    return runs32(type) ? r / runs32(type) * block_bytes(type) : r / 8 * block_bytes(type);
+}
+
+/* nc (<= AMX_ROWS_GROUP) weight rows against every tile of x (X: the tiles' runs) into y: the
+ * group's panels a block of K at a time, each tile of x against all of them. `next`: the rows
+ * after the group (or NULL), fetched during the first tile of x. */
 ALWAYS void amx_rows_t(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb, int64_t K,
                        const uint8_t *next, const amx_xrun *X, int64_t M, float *y, int64_t ldy,
                        uint8_t *scratch) {
-    const int64_t runs = K / 32, lda = amx_lda(K);
-    int8_t *A = (int8_t *)scratch; /* 64-byte aligned, as the scales after it */
-    float *f = (float *)(scratch + AMX_N * lda);
-    /* runs of 32: d per run; K-quants: d, dm per super-block (runs / 8), sc, mn per 16 codes */
-    const amx_scales S = {f, f + AMX_N * runs, f + 2 * AMX_N * runs, f + 4 * AMX_N * runs};
-    const int8_t *a = A;
-    int64_t la = lda, astep = 32;
-    if (type == T_Q8_0 && nc == AMX_N) { /* tiles straight from the file: 32 codes every 34 B */
-        for (int n = 0; n < AMX_N; n++)
-            for (int64_t g = 0; g < runs; g++) S.d[n * runs + g] = half_f16c(w + n * rb + 34 * g);
-        a = (const int8_t *)(w + 2), la = rb, astep = 34;
-    } else {
-        amx_panel(type, w, rb, nc, nb, runs, A, lda, &S);
-    }
-    __m512 acc[AMX_N];
-    for (int64_t m0 = 0; m0 < M; m0 += AMX_M) {
-        amx_tile(type, a, la, astep, m0 == 0 ? next : NULL, AMX_N * rb, &S, X + m0 / AMX_M * runs, runs, acc);
-        amx_store(acc, nc, (int)(M - m0 < AMX_M ? M - m0 : AMX_M), y + m0 * ldy, ldy);
+    (void)nb;
+    const int64_t runs = K / 32, kb = runs < AMX_KB ? runs : AMX_KB;
+    const int64_t tiles = (M + AMX_M - 1) / AMX_M, nkb = (runs + kb - 1) / kb;
+    const int np = (nc + AMX_N - 1) / AMX_N;
+    const size_t pbytes = (amx_panel_bytes(kb) + 63) / 64 * 64;
+    float *accs = (float *)(scratch + AMX_PANELS * pbytes); /* [panel][tile][n][m] */
+    const int64_t pf_share = next ? (int64_t)np * AMX_N * rb / (nkb * np) : 0;
+    for (int64_t k0 = 0, ki = 0; k0 < runs; k0 += kb, ki++) {
+        const int64_t kr = runs - k0 < kb ? runs - k0 : kb, lda = amx_lda(32 * kr);
+        amx_scales S[AMX_PANELS];
+        const int8_t *A[AMX_PANELS];
+        int64_t la[AMX_PANELS], astep[AMX_PANELS];
+        for (int p = 0; p < np; p++) {
+            uint8_t *sp = scratch + p * pbytes;
+            float *f = (float *)(sp + AMX_N * lda);
+            /* runs of 32: d per run; K-quants: d*sc, dmin*m per run (sc, mn) */
+            S[p] = (amx_scales){f, f + AMX_N * kr, f + 2 * AMX_N * kr, f + 4 * AMX_N * kr};
+            const uint8_t *wp = w + p * AMX_N * rb + amx_run_offset(type, k0);
+            int rows = nc - p * AMX_N < AMX_N ? nc - p * AMX_N : AMX_N;
+            if (type == T_Q8_0 && rows == AMX_N) { /* tiles straight from the file */
+                for (int n = 0; n < AMX_N; n++)
+                    for (int64_t g = 0; g < kr; g++) S[p].d[n * kr + g] = half_f16c(wp + n * rb + 34 * g);
+                A[p] = (const int8_t *)(wp + 2), la[p] = rb, astep[p] = 34;
+            } else {
+                amx_panel(type, wp, rb, rows, kr / 8, kr, (int8_t *)sp, lda, &S[p]);
+                A[p] = (const int8_t *)sp, la[p] = lda, astep[p] = 32;
+            }
+        }
+        for (int64_t t = 0; t < tiles; t++) {
+            for (int p = 0; p < np; p++) {
+                __m512 acc[AMX_N];
+                float *ap = accs + (p * tiles + t) * AMX_N * AMX_M;
+                const uint8_t *pf = t == 0 && next ? next + (ki * np + p) * pf_share : NULL;
+                for (int n = 0; n < AMX_N; n++) /* the chain goes on from the block before */
+                    acc[n] = k0 ? _mm512_load_ps(ap + n * AMX_M) : _mm512_setzero_ps();
+                amx_tile(type, A[p], la[p], astep[p], pf, pf_share, &S[p], X + t * runs + k0, kr, acc);
+                if (k0 + kr < runs) {
+                    for (int n = 0; n < AMX_N; n++) _mm512_store_ps(ap + n * AMX_M, acc[n]);
+                    continue;
+                }
+                int rows = nc - p * AMX_N < AMX_N ? nc - p * AMX_N : AMX_N;
+                amx_store(acc, rows, (int)(M - t * AMX_M < AMX_M ? M - t * AMX_M : AMX_M),
+                          y + t * AMX_M * ldy + p * AMX_N, ldy);
+            }
+        }
     }
 }
 

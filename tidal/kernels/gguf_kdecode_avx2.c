@@ -142,6 +142,9 @@ ALWAYS void kdecode8(int type, int vnni, const uint8_t *w, int64_t rb, int nc, i
                 }
                 for (int m = 0; m < M; m++) v[m][q] = reduce4_8(p[m][0], p[m][1], p[m][2], p[m][3]);
             }
+            /* the run's d*sc and dmin*m, lane c = row c */
+            const __m256 ws = _mm256_mul_ps(d, _mm256_cvtepi32_ps(byte_u8(sc8[j >> 2], j & 3)));
+            const __m256 wm = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(byte_u8(mn8[j >> 2], j & 3)));
             for (int m = 0; m < M; m++) {
                 /* lane c = row c: the sum of codes 0-15 and of 16-31 */
                 __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(v[m][0], v[m][1], 0x20),
@@ -152,10 +155,8 @@ ALWAYS void kdecode8(int type, int vnni, const uint8_t *w, int64_t rb, int nc, i
                 memcpy(&dxs, xj, 4);
                 memcpy(bs, xj + 4, 4);
                 const __m256 dx = _mm256_set1_ps(dxs);
-                __m256i s = _mm256_mullo_epi32(sum, byte_u8(sc8[j >> 2], j & 3));
-                __m256i smin = _mm256_mullo_epi32(byte_u8(mn8[j >> 2], j & 3), _mm256_set1_epi32(bs[0] + bs[1]));
-                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, dx), acc[m]);
-                acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(smin), _mm256_mul_ps(dmin, dx), acc[m]);
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(ws, dx), acc[m]);
+                acc[m] = _mm256_fnmadd_ps(_mm256_set1_ps(dxs * (float)(bs[0] + bs[1])), wm, acc[m]);
             }
         }
     }

@@ -18,13 +18,16 @@
  *
  * The scales and d/dmin of the sixteen rows are transposed the same way (128-bit loads, one
  * 4 x 4 dword transpose), so lane c holds row c's throughout, and the float steps are
- * gguf_gemm.c's per run of 32 values, in run order:
+ * gguf_gemm.c's per run of 32 values, in run order. Q4_K and Q5_K (one scale sc and min m a run):
  *
- *   acc = fma((float)s, d * dx, acc); acc = fma(-(float)smin, dmin * dx, acc)
+ *   acc = fma((float)s, (d * sc) * dx, acc); acc = fma(-(dx * (float)bsum), dmin * m, acc)
  *
- * with s = sc_lo * (sum of codes 0-15 times x) + sc_hi * (codes 16-31) and smin = mn_lo * bsum_lo
- * + mn_hi * bsum_hi, the same integers (Q4_K and Q5_K have one scale for both 16s; Q6_K's mins
- * are 32 * sc and its dmin is d). So the bits are every other path's: the scalar kernel's, the
+ * with s the run's codes times x (no scale inside) and bsum x's 32 codes summed; Q6_K:
+ *
+ *   acc = fma((float)s, d * dx, acc); acc = fma(-(float)smin, d * dx, acc)
+ *
+ * with s = sc_lo * (sum of codes 0-15 times x) + sc_hi * (codes 16-31) and smin = 32 * (sc_lo *
+ * bsum_lo + sc_hi * bsum_hi). So the bits are every other path's: the scalar kernel's, the
  * panels' for more rows of x and AMX's (tests/kernels check it bit for bit).
  *
  * Q4_K's codes: 16-byte chunk pairs hold sub-blocks (2c, 2c+1) as low and high nibbles, so one
@@ -254,9 +257,8 @@ ALWAYS void kdecode(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
                     for (int e = 0; e < 2; e++) { /* runs (4 k2 + e, 4 k2 + e + 2) */
                         __m512i lo, hi;
                         runs_to_rows(V[m][e], &lo, &hi);
-                        int ja = 4 * k2 + e, jb = ja + 2;
-                        s[e] = _mm512_mullo_epi32(lo, byte_u(sc8[k2], ja & 3));
-                        s[e + 2] = _mm512_mullo_epi32(hi, byte_u(sc8[k2], jb & 3));
+                        s[e] = lo; /* the scales come in the float steps */
+                        s[e + 2] = hi;
                     }
                 }
                 const uint8_t *xr = x + m * ldx + 8 * b * X32_BYTES;
@@ -269,14 +271,19 @@ ALWAYS void kdecode(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
                     memcpy(&dxs, xj, 4);
                     memcpy(bs, xj + 4, 4);
                     const __m512 dx = _mm512_set1_ps(dxs);
+                    if (type != KD_Q6_K) { /* d*sc and dmin*m as floats, x's sum scaled by dx */
+                        const __m512 ws = _mm512_mul_ps(d, _mm512_cvtepi32_ps(byte_u(sc8[k2], j & 3)));
+                        const __m512 wm = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(byte_u(mn8[k2], j & 3)));
+                        a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(ws, dx), a);
+                        a = _mm512_fnmadd_ps(_mm512_set1_ps(dxs * (float)(bs[0] + bs[1])), wm, a);
+                        continue;
+                    }
                     __m512i smin;
-                    if (type == KD_Q6_K) { /* mn = 32 sc */
+                    { /* Q6_K: mn = 32 sc */
                         int g = 2 * j;
                         __m512i sa = byte_s(sc8[g >> 2], g & 3), sb = byte_s(sc8[g >> 2], (g & 3) + 1);
                         smin = _mm512_slli_epi32(_mm512_add_epi32(_mm512_mullo_epi32(sa, _mm512_set1_epi32(bs[0])),
                                                                   _mm512_mullo_epi32(sb, _mm512_set1_epi32(bs[1]))), 5);
-                    } else {
-                        smin = _mm512_mullo_epi32(byte_u(mn8[k2], j & 3), _mm512_set1_epi32(bs[0] + bs[1]));
                     }
                     a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, dx), a);
                     a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(smin), _mm512_mul_ps(dmin, dx), a);
