@@ -159,20 +159,27 @@ def test_amx_against_avx512(t: Q, m: int) -> None:
 
 
 @pytest.mark.skipif("amx" not in ISAS, reason="no AMX path here")
-@pytest.mark.parametrize("t", [Q.Q4_K, Q.Q5_K, Q.Q8_0, Q.IQ4_XS], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS], ids=lambda t: t.name)
 def test_amx_groups_and_k_blocks_give_the_same_bits(t: Q) -> None:
     """The tile path decodes up to eight panels of 16 weight rows at once and takes K in blocks
     of 112 runs, each output's float chain going on from one block to the next: with N 531 (four
     whole groups of 128 rows, then one of two panels, the last three rows long) and K 3840 (a
-    block of 112 runs and one of 8), AVX-512's bits, on one thread and two."""
+    block of 112 runs and one of 8), AVX-512's bits, on one thread and two; 200 rows of x (a
+    last tile of 8), past where Q6_K takes the tiles (192)."""
     k = 3840
     w = weight(t, 531, k, random_bytes=True)
     torch.manual_seed(12)
-    x = torch.randn(20, k)
+    x = torch.randn(200, k)
     for threads in (1, 2):
         want = gg.gguf_gemm(x, w, "q8", "avx512", threads=threads)
         assert torch.equal(gg.gguf_gemm(x, w, "q8", "amx", threads=threads), want)
     check(want, x, w, "q8")
+    if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K):  # the integers at their widest (Q6_K: s - smin near 2^24)
+        wide = _extreme_k_blocks(t, 40, k)
+        xw = (torch.rand(200, 1) + 0.5).expand(200, k).contiguous()  # every code of x 127
+        want = gg.gguf_gemm(xw, wide, "q8", "scalar")
+        assert torch.equal(gg.gguf_gemm(xw, wide, "q8", "amx"), want)
+        assert torch.equal(gg.gguf_gemm(xw, wide, "q8", "avx512"), want)
 
 
 K_QUANTS = (Q.Q4_K, Q.Q5_K, Q.Q6_K)

@@ -16,9 +16,12 @@
  *     acc = fma((float)s, d_w * d_x, acc)                                   runs of 32
  *     acc = fma((float)s, (d * sc) * d_x, acc); acc = fma(-(d_x * bsum), dmin * m, acc)
  *                                                                           Q4_K, Q5_K
+ *     acc = fma(sc_a * dot_a + sc_b * dot_b, d * d_x, acc)                  Q6_K
  * with s the same integers, so this path gives the other paths' bits: a row's result does not
- * depend on whether its batch ran here or on AVX-512. Q6_K (a scale per 16 codes) stays on
- * AVX-512: its two dot products per run, each stored and scaled, made it 0.95x of AVX-512 VNNI.
+ * depend on whether its batch ran here or on AVX-512. Q6_K (a scale per 16 codes) takes two
+ * tile products a run, its codes 0-15 and 16-31 (signed, q - 32) in two panels with the other
+ * half zeros, and forms s - smin in float (exact: every integer below 2^24); it pays from 192
+ * rows of x (AMX_MIN_ROWS_Q6_K).
  * Where the time goes (a run of 32, 16 x 16, one core, cycles at the TSC's rate, Xeon family 6
  * model 207): the tile instructions ~26-40, the float steps ~23 (runs of 32), and the two hardly
  * overlap, as the float steps read the tile stores back from L1. The K-quants' float steps took
@@ -52,6 +55,10 @@ long syscall(long number, ...); /* unistd.h declares it only past -std=c11 (_DEF
  *     down Q4_K             -          0.86       0.94       0.90-1.10  0.99-1.20  1.18-1.31 */
 #define AMX_MIN_ROWS_FILE 6   /* Q8_0 */
 #define AMX_MIN_ROWS_PANEL 12 /* the other types but Q6_K */
+/* Q6_K: two tile products a run (a scale per 16 codes) and six float operations per output;
+ * 3584 x 18944, 2 threads, this Xeon (model 167), amx / avx512: 0.73x at 32 rows, 0.91x at 64,
+ * 0.97x at 128, 1.18x at 256, 1.31x at 512 */
+#define AMX_MIN_ROWS_Q6_K 192
 #define AMX_N 16        /* weight rows (outputs) per tile: CHUNK */
 #define AMX_M 16        /* rows of x per tile */
 
@@ -77,7 +84,8 @@ static int amx_permitted(void) {
 }
 
 /* tiles 0, 1: C (16 x 16 int32), 4, 5: A (16 weight rows x 32 codes), 6, 7: B (a run of x): two
- * sets, so that consecutive runs' dot products do not wait for each other's tiles */
+ * sets, so that consecutive runs' dot products do not wait for each other's tiles; 2, 3: Q6_K's
+ * second C (its runs' codes 16-31) */
 static void amx_configure(void) {
     struct {
         uint8_t palette, start_row, reserved[14];
@@ -86,8 +94,8 @@ static void amx_configure(void) {
     } c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    const uint8_t rows[8] = {16, 16, 0, 0, 16, 16, 8, 8};
-    const uint16_t colsb[8] = {64, 64, 0, 0, 32, 32, 64, 64};
+    const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 8, 8};
+    const uint16_t colsb[8] = {64, 64, 64, 64, 32, 32, 64, 64};
     for (int t = 0; t < 8; t++) c.rows[t] = rows[t], c.colsb[t] = colsb[t];
     _tile_loadconfig(&c);
 }
@@ -113,13 +121,13 @@ static void pack_x_amx(const uint8_t *xq, int64_t r32, int64_t m0, int mt, int64
 /* nc weight rows' codes (A, lda bytes a row) and scales (S); rows past nc: zeros */
 ALWAYS void amx_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb, int64_t runs,
                       int8_t *A, int64_t lda, const amx_scales *S) {
-    const int64_t per = runs32(type) ? runs : nb; /* d's and dm's per row */
     for (int n = 0; n < AMX_N; n++) {
         const uint8_t *row = w + n * rb;
         int8_t *a = A + n * lda;
         if (n >= nc) { /* their outputs are dropped: zeros keep the sums finite */
             memset(a, 0, (size_t)(32 * runs));
-            memset(S->d + n * per, 0, (size_t)per * sizeof(float));
+            if (type == T_Q6_K) memset(a + AMX_N * lda, 0, (size_t)(32 * runs));
+            memset(S->d + n * runs, 0, (size_t)runs * sizeof(float)); /* runs of 32, Q6_K */
             if (runs32(type)) continue;
             memset(S->sc + n * runs, 0, (size_t)runs * sizeof(float));
             memset(S->mn + n * runs, 0, (size_t)runs * sizeof(float));
@@ -133,6 +141,24 @@ ALWAYS void amx_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb
             continue;
         }
         _Alignas(32) kblock k;
+        if (type == T_Q6_K) { /* signed codes q - 32, codes 0-15 of a run in A, 16-31 in A's
+                                 second panel (AMX_N rows on), the other half zeros; per run
+                                 d, sc_a, sc_b (in d, sc, mn) */
+            const __m256i lo16 = _mm256_setr_epi64x(-1, -1, 0, 0), off = _mm256_set1_epi8(32);
+            for (int64_t b = 0; b < nb; b++) {
+                k_decode_avx2(type, row + b * block_bytes(type), &k, 0);
+                for (int j = 0; j < 8; j++) {
+                    __m256i q = _mm256_sub_epi8(_mm256_load_si256((const __m256i *)(k.q + 32 * j)), off);
+                    _mm256_store_si256((__m256i *)(a + 256 * b + 32 * j), _mm256_and_si256(q, lo16));
+                    _mm256_store_si256((__m256i *)(a + AMX_N * lda + 256 * b + 32 * j),
+                                       _mm256_andnot_si256(lo16, q));
+                    S->d[n * runs + 8 * b + j] = k.d;
+                    S->sc[n * runs + 8 * b + j] = (float)k.sc[2 * j];
+                    S->mn[n * runs + 8 * b + j] = (float)k.sc[2 * j + 1];
+                }
+            }
+            continue;
+        }
         for (int64_t b = 0; b < nb; b++) { /* Q4_K, Q5_K (k_steps): per run d*sc, dmin*m */
             k_decode_avx2(type, row + b * block_bytes(type), &k, 0);
             memcpy(a + 256 * b, k.q, 256);
@@ -150,6 +176,19 @@ ALWAYS void amx_panel(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb
 ALWAYS void amx_scale_run(int type, const amx_scales *S, int64_t r, int64_t runs,
                           const amx_xrun *x, const int32_t c[AMX_N][AMX_M], __m512 acc[AMX_N]) {
     const __m512 dx = _mm512_load_ps(x->dx);
+    if (type == T_Q6_K) { /* c: the codes 0-15 sums, then (AMX_N on) 16-31's. s - smin formed
+                             in float: sc_a * dot_a + sc_b * dot_b, each product and the sum
+                             exact below 2^24 */
+#pragma GCC unroll 16
+        for (int n = 0; n < AMX_N; n++) {
+            __m512 ca = _mm512_cvtepi32_ps(_mm512_load_si512(c[n]));
+            __m512 cb = _mm512_cvtepi32_ps(_mm512_load_si512(c[AMX_N + n]));
+            __m512 t = _mm512_fmadd_ps(ca, _mm512_set1_ps(S->sc[n * runs + r]),
+                                       _mm512_mul_ps(cb, _mm512_set1_ps(S->mn[n * runs + r])));
+            acc[n] = _mm512_fmadd_ps(t, _mm512_mul_ps(_mm512_set1_ps(S->d[n * runs + r]), dx), acc[n]);
+        }
+        return;
+    }
     if (runs32(type)) {
 #pragma GCC unroll 16
         for (int n = 0; n < AMX_N; n++) {
@@ -190,6 +229,33 @@ ALWAYS void amx_dots(int odd, const int8_t *a, int64_t lda, const amx_xrun *x, i
     }
 }
 
+/* Q6_K's run r: the dot products of its codes 0-15 (A) and 16-31 (the panel AMX_N rows on)
+ * into c and c + AMX_N * AMX_M, on C0/C2 (even runs) or C1/C3 */
+ALWAYS void amx_dots2(int odd, const int8_t *a, int64_t lda, const amx_xrun *x, int32_t *c) {
+    const int8_t *b = a + AMX_N * lda;
+    if (odd) {
+        _tile_zero(1);
+        _tile_zero(3);
+        _tile_loadd(7, x->b[0], 64);
+        _tile_loadd(5, a, lda);
+        _tile_dpbssd(1, 5, 7);
+        _tile_loadd(5, b, lda);
+        _tile_dpbssd(3, 5, 7);
+        _tile_stored(1, c, 64);
+        _tile_stored(3, c + AMX_N * AMX_M, 64);
+    } else {
+        _tile_zero(0);
+        _tile_zero(2);
+        _tile_loadd(6, x->b[0], 64);
+        _tile_loadd(4, a, lda);
+        _tile_dpbssd(0, 4, 6);
+        _tile_loadd(4, b, lda);
+        _tile_dpbssd(2, 4, 6);
+        _tile_stored(0, c, 64);
+        _tile_stored(2, c + AMX_N * AMX_M, 64);
+    }
+}
+
 #define AMX_DEPTH 2 /* runs between a run's tile instructions and its float steps */
 
 /* one tile of x (X: its runs) against the panel (A: run r at A + astep r, rows lda apart), on
@@ -199,10 +265,13 @@ ALWAYS void amx_dots(int odd, const int8_t *a, int64_t lda, const amx_xrun *x, i
 ALWAYS void amx_tile(int type, const int8_t *A, int64_t lda, int64_t astep, const uint8_t *pf,
                      int64_t pf_bytes, const amx_scales *S,
                      const amx_xrun *X, int64_t runs, __m512 acc[AMX_N]) {
-    _Alignas(64) int32_t c[2 * AMX_DEPTH][AMX_N][AMX_M]; /* [run % (2 depth)] */
+    _Alignas(64) int32_t c[2 * AMX_DEPTH][2 * AMX_N][AMX_M]; /* [run % (2 depth)]; Q6_K: two */
     for (int64_t r = 0; r < runs + AMX_DEPTH; r++) {
         if (r < runs) prefetch_part(pf, r, runs, pf_bytes);
-        if (r < runs) amx_dots((int)(r & 1), A + astep * r, lda, X + r, c[r % (2 * AMX_DEPTH)][0]);
+        if (r < runs && type == T_Q6_K)
+            amx_dots2((int)(r & 1), A + astep * r, lda, X + r, c[r % (2 * AMX_DEPTH)][0]);
+        else if (r < runs)
+            amx_dots((int)(r & 1), A + astep * r, lda, X + r, c[r % (2 * AMX_DEPTH)][0]);
         int64_t q = r - AMX_DEPTH;
         if (q >= 0) amx_scale_run(type, S, q, runs, X + q, c[q % (2 * AMX_DEPTH)], acc);
     }
@@ -230,8 +299,9 @@ static int64_t amx_lda(int64_t K) { return K + 64; }
 #define AMX_KB 112    /* runs per block of K (a multiple of 8: whole K-quant super-blocks) */
 #define AMX_ROWS_GROUP (AMX_PANELS * AMX_N)
 
+/* a panel: its codes (two panels' worth: Q6_K's runs in halves), then its scales */
 static size_t amx_panel_bytes(int64_t kr) {
-    return (size_t)(AMX_N * amx_lda(32 * kr)) + (size_t)(AMX_N * 6 * kr) * sizeof(float);
+    return (size_t)(2 * AMX_N * amx_lda(32 * kr)) + (size_t)(AMX_N * 6 * kr) * sizeof(float);
 }
 
 /* scratch bytes one thread needs for a group's panels of K values and M rows of x's results */
@@ -266,7 +336,7 @@ ALWAYS void amx_rows_t(int type, const uint8_t *w, int64_t rb, int nc, int64_t n
         int64_t la[AMX_PANELS], astep[AMX_PANELS];
         for (int p = 0; p < np; p++) {
             uint8_t *sp = scratch + p * pbytes;
-            float *f = (float *)(sp + AMX_N * lda);
+            float *f = (float *)(sp + 2 * AMX_N * lda);
             /* runs of 32: d per run; K-quants: d*sc, dmin*m per run (sc, mn) */
             S[p] = (amx_scales){f, f + AMX_N * kr, f + 2 * AMX_N * kr, f + 4 * AMX_N * kr};
             const uint8_t *wp = w + p * AMX_N * rb + amx_run_offset(type, k0);
@@ -313,16 +383,18 @@ AMX_ROWS(amx_iq4_nl, T_IQ4_NL)
 AMX_ROWS(amx_iq4_xs, T_IQ4_XS)
 AMX_ROWS(amx_q4_k, T_Q4_K)
 AMX_ROWS(amx_q5_k, T_Q5_K)
+AMX_ROWS(amx_q6_k, T_Q6_K)
 #undef AMX_ROWS
 
 typedef void (*amx_fn)(const uint8_t *, int64_t, int, int64_t, int64_t, const uint8_t *,
                        const amx_xrun *, int64_t, float *, int64_t, uint8_t *);
 static const amx_fn AMX_ROWS_FN[N_TYPES] = {
     [T_Q8_0] = amx_q8_0, [T_Q4_0] = amx_q4_0, [T_Q5_0] = amx_q5_0, [T_IQ4_NL] = amx_iq4_nl,
-    [T_IQ4_XS] = amx_iq4_xs, [T_Q4_K] = amx_q4_k, [T_Q5_K] = amx_q5_k}; /* Q6_K: AVX-512's (see the top) */
+    [T_IQ4_XS] = amx_iq4_xs, [T_Q4_K] = amx_q4_k, [T_Q5_K] = amx_q5_k, [T_Q6_K] = amx_q6_k};
 
 /* whether a segment of this type on M rows of x runs on the tile unit */
 static int amx_takes(int type, int64_t M) {
     if (AMX_ROWS_FN[type] == NULL) return 0;
-    return M >= (type == T_Q8_0 ? AMX_MIN_ROWS_FILE : AMX_MIN_ROWS_PANEL);
+    return M >= (type == T_Q8_0 ? AMX_MIN_ROWS_FILE
+                 : type == T_Q6_K ? AMX_MIN_ROWS_Q6_K : AMX_MIN_ROWS_PANEL);
 }

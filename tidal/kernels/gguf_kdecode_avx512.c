@@ -24,10 +24,10 @@
  *
  * with s the run's codes times x (no scale inside) and bsum x's 32 codes summed; Q6_K:
  *
- *   acc = fma((float)s, d * dx, acc); acc = fma(-(float)smin, d * dx, acc)
+ *   acc = fma((float)(s - smin), d * dx, acc)
  *
  * with s = sc_lo * (sum of codes 0-15 times x) + sc_hi * (codes 16-31) and smin = 32 * (sc_lo *
- * bsum_lo + sc_hi * bsum_hi). So the bits are every other path's: the scalar kernel's, the
+ * bsum_lo + sc_hi * bsum_hi): the run's signed codes (q - 32) times x, exact below 2^24. So the bits are every other path's: the scalar kernel's, the
  * panels' for more rows of x and AMX's (tests/kernels check it bit for bit).
  *
  * Q4_K's codes: 16-byte chunk pairs hold sub-blocks (2c, 2c+1) as low and high nibbles, so one
@@ -285,8 +285,7 @@ ALWAYS void kdecode(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
                         smin = _mm512_slli_epi32(_mm512_add_epi32(_mm512_mullo_epi32(sa, _mm512_set1_epi32(bs[0])),
                                                                   _mm512_mullo_epi32(sb, _mm512_set1_epi32(bs[1]))), 5);
                     }
-                    a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[i]), _mm512_mul_ps(d, dx), a);
-                    a = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(smin), _mm512_mul_ps(dmin, dx), a);
+                    a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(s[i], smin)), _mm512_mul_ps(d, dx), a);
                 }
                 acc[m] = a;
             }
