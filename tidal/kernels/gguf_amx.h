@@ -233,27 +233,23 @@ ALWAYS void amx_dots(int odd, const int8_t *a, int64_t lda, const amx_xrun *x, i
  * into c and c + AMX_N * AMX_M, on C0/C2 (even runs) or C1/C3 */
 ALWAYS void amx_dots2(int odd, const int8_t *a, int64_t lda, const amx_xrun *x, int32_t *c) {
     const int8_t *b = a + AMX_N * lda;
+    /* tile numbers are immediates: one expansion per set of tiles */
+#define DOTS2(C, C2, A, B)                                                                    \
+    _tile_zero(C);                                                                            \
+    _tile_zero(C2);                                                                           \
+    _tile_loadd(B, x->b[0], 64);                                                              \
+    _tile_loadd(A, a, lda);                                                                   \
+    _tile_dpbssd(C, A, B);                                                                    \
+    _tile_loadd(A, b, lda);                                                                   \
+    _tile_dpbssd(C2, A, B);                                                                   \
+    _tile_stored(C, c, 64);                                                                   \
+    _tile_stored(C2, c + AMX_N * AMX_M, 64);
     if (odd) {
-        _tile_zero(1);
-        _tile_zero(3);
-        _tile_loadd(7, x->b[0], 64);
-        _tile_loadd(5, a, lda);
-        _tile_dpbssd(1, 5, 7);
-        _tile_loadd(5, b, lda);
-        _tile_dpbssd(3, 5, 7);
-        _tile_stored(1, c, 64);
-        _tile_stored(3, c + AMX_N * AMX_M, 64);
+        DOTS2(1, 3, 5, 7)
     } else {
-        _tile_zero(0);
-        _tile_zero(2);
-        _tile_loadd(6, x->b[0], 64);
-        _tile_loadd(4, a, lda);
-        _tile_dpbssd(0, 4, 6);
-        _tile_loadd(4, b, lda);
-        _tile_dpbssd(2, 4, 6);
-        _tile_stored(0, c, 64);
-        _tile_stored(2, c + AMX_N * AMX_M, 64);
+        DOTS2(0, 2, 4, 6)
     }
+#undef DOTS2
 }
 
 #define AMX_DEPTH 2 /* runs between a run's tile instructions and its float steps */
