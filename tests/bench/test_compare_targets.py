@@ -3,6 +3,7 @@ ik_llama.cpp targets' commands and exit statuses."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,25 @@ def test_a_server_killed_by_sigill_while_loading_says_why(tmp_path) -> None:
             handle.wait_ready("/health", 30.0)
     finally:
         handle.stop()
+
+
+def test_a_server_that_logs_bytes_outside_utf8_is_still_found_and_logged(tmp_path) -> None:
+    # a real process printing a cut multi-byte character (a half token), then its address
+    server = tmp_path / "llama-server"
+    server.write_text("#!/bin/sh\nprintf 'token \\342\\202 cut\\n'\n"
+                      "echo 'main: server is listening on http://127.0.0.1:9'\n"
+                      "echo after\nsleep 30\n")  # fmt: skip
+    server.chmod(0o755)
+    handle = ServerHandle([str(server)], tmp_path / "s.log")
+    try:
+        assert handle._found.wait(30.0) and handle.base_url == "http://127.0.0.1:9"
+        deadline = time.monotonic() + 30.0
+        while "after" not in (tmp_path / "s.log").read_text():
+            assert time.monotonic() < deadline, "the pump stopped at the bad bytes"
+            time.sleep(0.05)
+    finally:
+        handle.stop()
+    assert "token \ufffd" in (tmp_path / "s.log").read_text()
 
 
 def test_ik_server_runs_as_llama_servers_with_run_time_repacking() -> None:

@@ -154,7 +154,9 @@ class ServerHandle:
         # NOTE: a baseline runs in its log's directory: ik_llama.cpp's server writes a llama.log
         # of its own into its working directory (its paths are absolute, start_target).
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            # a server may log bytes that are not UTF-8 (ik_llama.cpp's half tokens): replaced,
+            # never the end of the pump (and of the log) with a UnicodeDecodeError
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace",
             env=dict(os.environ, PYTHONUNBUFFERED="1"),
             cwd=log_path.parent if baseline is not None else None,
         )  # fmt: skip
