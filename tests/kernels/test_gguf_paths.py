@@ -201,7 +201,7 @@ def _extreme_k_blocks(t: Q, n: int, k: int) -> gg.BlockWeight:
 @pytest.mark.skipif(len(ISAS) < 2, reason="only the scalar path runs here")
 @pytest.mark.parametrize("t", K_QUANTS, ids=lambda t: t.name)
 def test_kquant_decode_rows_give_the_same_bits(t: Q) -> None:
-    """One or two rows of x against K-quant rows run the decode kernels: sixteen rows a call on
+    """One to four rows of x against K-quant rows run the decode kernels (two rows a call): sixteen rows a call on
     AVX-512 (gguf_kdecode_avx512.c), eight of Q4_K/Q5_K on AVX2 and AVX-VNNI
     (gguf_kdecode_avx2.c), their sums reduced together. For each count of rows in the last call
     (1..16, and 17 and 33: a call and a part), random and widest blocks give the portable C's
@@ -215,7 +215,7 @@ def test_kquant_decode_rows_give_the_same_bits(t: Q) -> None:
         for w in (weight(t, n, k, seed=n, random_bytes=True), _extreme_k_blocks(t, n, k)):
             ref = gg.gguf_gemm(x, w, "q8", "scalar")
             for isa in ISAS[:-1]:
-                for m in (1, 2):
+                for m in (1, 2, 3, 4):  # 3, 4: two calls, the weight rows read again from cache
                     assert torch.equal(gg.gguf_gemm(x[:m], w, "q8", isa), ref[:m]), (isa, n, m)
                 # the same rows of x inside a batch: the panels' (or tiles') bits
                 assert torch.equal(gg.gguf_gemm(x, w, "q8", isa)[:2], ref[:2]), (isa, n)

@@ -990,6 +990,28 @@ ALWAYS void q8_rows(int type, int vnni, const qrun *P, int64_t nr, const uint8_t
  * per row of x leaves the QG dot products in the lanes, then the panel path's epilogue. Cheaper
  * than building a panel when it would serve one or two rows of x. */
 #define QD 2 /* rows of x up to which q8_direct runs */
+/* rows of x up to which the K-quants run the decode kernels (gguf_kdecode_*.c), QD rows a call
+ * while the group's weight rows sit in L1/L2: 3584 x 18944 Q4_K, 2 threads, this Xeon, rows in
+ * L3, AVX-512: 3 rows 3.2 -> 2.8 ms, 4 rows 4.2 -> 3.2 ms (18944 x 3584 Q6_K at 4 rows 5.5 ->
+ * 4.5); panels from 5 rows */
+#define KD_MAX_ROWS 4
+
+/* a K-quant decode kernel (wide: tidal_gguf_kdecode16, else tidal_gguf_kdecode8) over M <= KD_MAX_ROWS rows of x,
+ * QD at a time (the next rows fetched during the first); 0, or -1 where it does not take them */
+static int kdecode_rows(int type, const uint8_t *w, int64_t rb, int nc, int64_t nb,
+                        const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M, float *y,
+                        int64_t ldy, int vex, int wide) {
+    /* Q6_K at 3 rows (a call of 2, one of 1) measured 4.1-4.4 ms against the panels' 3.7 */
+    if (M > KD_MAX_ROWS || (type == T_Q6_K && M == 3)) return -1;
+    for (int64_t m = 0; m < M; m += QD) {
+        int mr = (int)(M - m < QD ? M - m : QD);
+        const uint8_t *nx = m == 0 ? next : NULL;
+        int rc = wide ? tidal_gguf_kdecode16(type, w, rb, nc, nb, nx, x + m * ldx, ldx, mr, y + m * ldy, ldy)
+                      : tidal_gguf_kdecode8(type, vex, w, rb, nc, nb, nx, x + m * ldx, ldx, mr, y + m * ldy, ldy);
+        if (rc) return rc; /* only the first call can refuse: the same type and nc */
+    }
+    return 0;
+}
 
 /* lo[c], hi[c]: the sums of lanes 0-3 and 4-7 of p_c (exact; unpacks, cheaper than hadd here) */
 ALWAYS __m256i pair_sums(__m256i a, __m256i b) { /* per half: a0+a2, b0+b2, a1+a3, b1+b3 */
@@ -1100,8 +1122,8 @@ ALWAYS void q8_group(int type, int vnni, const uint8_t *w, int64_t rb, int nc, i
     const int kq = runs32(type) == 0;
     const int64_t runs = kq ? 8 * nb : nb * runs32(type);
     /* a decode step's K-quants: eight rows in registers (gguf_kdecode_avx2.c, same bits) */
-    if (M <= QD && kq && vnni != VNNI_EVEX
-        && tidal_gguf_kdecode8(type, vnni == VNNI_VEX, w, rb, nc, nb, next, x, ldx, (int)M, y, ldy) == 0)
+    if (kq && vnni != VNNI_EVEX
+        && kdecode_rows(type, w, rb, nc, nb, next, x, ldx, M, y, ldy, vnni == VNNI_VEX, 0) == 0)
         return;
     if (M <= QD) {
         if (M == 2) q8_direct(type, vnni, w, rb, nc, nb, next, x, ldx, 2, y, ldy);
@@ -1481,8 +1503,7 @@ ALWAYS void q8_group16(int type, const uint8_t *w, int64_t rb, int nc, int64_t n
                        const uint8_t *next, const uint8_t *x, int64_t ldx, int64_t M, float *y,
                        int64_t ldy) {
     /* a decode step's K-quants: sixteen rows in registers (gguf_kdecode_avx512.c, same bits) */
-    if (M <= QD && runs32(type) == 0
-        && tidal_gguf_kdecode16(type, w, rb, nc, nb, next, x, ldx, (int)M, y, ldy) == 0)
+    if (runs32(type) == 0 && kdecode_rows(type, w, rb, nc, nb, next, x, ldx, M, y, ldy, 0, 1) == 0)
         return;
     if (nc <= QG || M <= QD) {
         for (int n = 0; n < nc; n += QG) {
