@@ -172,6 +172,31 @@ def test_a_small_twin_generates_in_tidal(
     assert all(math.isfinite(lp.logprob) for step in out.logprobs for lp in step.values())
 
 
+@pytest.mark.parametrize(("arch", "recipe"), SMALL_TWINS)
+def test_a_small_twin_is_served_by_tidal_serve(
+    small_twins: dict[str, Path], arch: str, recipe: str
+) -> None:
+    """A real `tidal serve` process on 127.0.0.1 loads the twin and answers a chat completion
+    through the openai SDK (the twin's chat template, its tokenizer, greedy, 4 tokens)."""
+    import openai
+
+    from tests.server.tiny_server import serve
+
+    for server in serve(["--model", str(small_twins[arch]), "--kv-cache-bytes", str(4 << 20),
+                         "--threads", "1", "--no-warmup"]):  # fmt: skip
+        client = openai.OpenAI(api_key="none", base_url=server.base_url + "/v1", max_retries=0,
+                               timeout=60)  # fmt: skip
+        models = [m.id for m in client.models.list().data]
+        out = client.chat.completions.create(
+            model=models[0], messages=[{"role": "user", "content": "Hello there"}], max_tokens=4,
+            temperature=0, logprobs=True, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        choice = out.choices[0]
+        assert out.usage is not None and out.usage.completion_tokens == 4
+        assert choice.finish_reason == "length" and choice.logprobs is not None
+        assert all(math.isfinite(t.logprob) for t in choice.logprobs.content)
+
+
 def test_a_twin_is_kept_when_its_record_matches(tmp_path: Path) -> None:
     path = tmp_path / "t.gguf"
     spec = TwinSpec("qwen3-8b", "q8_0", num_layers=1, tiny=True, tokenizer="bytes")
