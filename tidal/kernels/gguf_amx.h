@@ -304,6 +304,8 @@ static size_t amx_panel_bytes(int64_t kr) {
 static size_t amx_scratch_bytes(int64_t K, int64_t M) {
     int64_t kr = K / 32 < AMX_KB ? K / 32 : AMX_KB;
     size_t panels = AMX_PANELS * ((amx_panel_bytes(kr) + 63) / 64 * 64);
+    size_t one = (amx_panel_bytes(K / 32) + 63) / 64 * 64; /* a lone panel: K unblocked */
+    panels = one > panels ? one : panels;
     return panels + (size_t)(AMX_PANELS * ((M + AMX_M - 1) / AMX_M)) * AMX_N * AMX_M * sizeof(float);
 }
 
@@ -319,9 +321,11 @@ ALWAYS void amx_rows_t(int type, const uint8_t *w, int64_t rb, int nc, int64_t n
                        const uint8_t *next, const amx_xrun *X, int64_t M, float *y, int64_t ldy,
                        uint8_t *scratch) {
     (void)nb;
-    const int64_t runs = K / 32, kb = runs < AMX_KB ? runs : AMX_KB;
-    const int64_t tiles = (M + AMX_M - 1) / AMX_M, nkb = (runs + kb - 1) / kb;
     const int np = (nc + AMX_N - 1) / AMX_N;
+    /* a lone panel takes K whole: its rows stream start to end (few rows of x: the weights'
+     * read sets the pace, and blocks of K broke the rows into 128 short streams) */
+    const int64_t runs = K / 32, kb = runs < AMX_KB || np == 1 ? runs : AMX_KB;
+    const int64_t tiles = (M + AMX_M - 1) / AMX_M, nkb = (runs + kb - 1) / kb;
     const size_t pbytes = (amx_panel_bytes(kb) + 63) / 64 * 64;
     float *accs = (float *)(scratch + AMX_PANELS * pbytes); /* [panel][tile][n][m] */
     const int64_t pf_share = next ? (int64_t)np * AMX_N * rb / (nkb * np) : 0;

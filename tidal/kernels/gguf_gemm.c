@@ -1768,6 +1768,7 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
     for (int s = 0; s < MAX_SEG; s++) tile_rows += on_tiles[s] ? sg[s].n : 0;
     int64_t amx_group = tile_rows / (AMX_N * 4 * (nthreads > 0 ? nthreads : 1));
     amx_group = amx_group < 1 ? 1 : amx_group > AMX_PANELS ? AMX_PANELS : amx_group;
+    if (amx_tiles <= 2) amx_group = 1; /* up to 32 rows of x: nothing of x to reuse across panels */
 #endif
     if (isa == ISA_AMX) isa = ISA_AVX512;
     if (act != ACT_F32 && act != ACT_Q8) return ERR_SHAPE;
