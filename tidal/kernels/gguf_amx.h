@@ -327,7 +327,8 @@ ALWAYS void amx_rows_t(int type, const uint8_t *w, int64_t rb, int nc, int64_t n
     const int64_t runs = K / 32, kb = runs < AMX_KB || np == 1 ? runs : AMX_KB;
     const int64_t tiles = (M + AMX_M - 1) / AMX_M, nkb = (runs + kb - 1) / kb;
     const size_t pbytes = (amx_panel_bytes(kb) + 63) / 64 * 64;
-    float *accs = (float *)(scratch + AMX_PANELS * pbytes); /* [panel][tile][n][m] */
+    /* after the np panels ([panel][tile][n][m]): inside amx_scratch_bytes() for either kb */
+    float *accs = (float *)(scratch + np * pbytes);
     const int64_t pf_share = next ? (int64_t)np * AMX_N * rb / (nkb * np) : 0;
     for (int64_t k0 = 0, ki = 0; k0 < runs; k0 += kb, ki++) {
         const int64_t kr = runs - k0 < kb ? runs - k0 : kb, lda = amx_lda(32 * kr);
