@@ -43,8 +43,12 @@ from tidal.quant.gguf_dequant import dequantize
 from tidal.quant.gguf_types import GGMLType
 
 Q4_K, Q6_K, F32 = GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.F32
-# one recipe per architecture, so the five small twins cover all four recipes
-SMALL_TWINS = list(zip(ARCHITECTURES, ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_k_m"]))
+Q5_0, Q8_0 = GGMLType.Q5_0, GGMLType.Q8_0
+DENSE = [name for name, a in ARCHITECTURES.items() if a.experts is None]
+# one recipe per dense architecture, so the five small twins cover all four recipes; DeepSeek
+# V2-Lite (MLA and experts) in Q4_K_M
+SMALL_TWINS = [*zip(DENSE, ["q4_k_m", "q5_k_m", "q6_k", "q8_0", "q4_k_m"]),
+               ("deepseek-v2-lite", "q4_k_m")]  # fmt: skip
 
 
 def _data(spec: TensorSpec, values: list[float] | None = None) -> np.ndarray:
@@ -94,7 +98,7 @@ def test_use_more_bits_is_llama_cpps_pattern_for_28_layers() -> None:
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("arch_name", ARCHITECTURES)
+@pytest.mark.parametrize("arch_name", DENSE)
 def test_the_table_gives_llama_quantizes_types(arch_name: str, recipe: str) -> None:
     arch, r = ARCHITECTURES[arch_name], RECIPES[recipe]
     tensors = table_tensors(arch, r)
@@ -118,6 +122,41 @@ def test_the_table_gives_llama_quantizes_types(arch_name: str, recipe: str) -> N
             assert t.ggml_type == r.default_type, t.name
 
 
+def test_deepseek_v2_lite_q4_k_m_has_llama_quantizes_types_and_the_files_size() -> None:
+    """llama-quantize's Q4_K_M on DeepSeek-V2-Lite in llama.cpp's split MLA form: every
+    ffn_down (dense, routed and shared experts) Q6_K on use_more_bits layers; rows that are not
+    whole super-blocks fall back (the experts' 1408 and the dense layer's 10944 inputs: Q4_K ->
+    Q5_0, Q6_K -> Q8_0; attn_k_b's 128: Q5_0); the router F32."""
+    arch = ARCHITECTURES["deepseek-v2-lite"]
+    tensors = table_tensors(arch, RECIPES["q4_k_m"])
+    types: dict[tuple[str, GGMLType], int] = {}
+    for t in tensors:
+        short = t.name.split(".", 2)[2] if t.name.startswith("blk.") else t.name
+        types[short, t.ggml_type] = types.get((short, t.ggml_type), 0) + 1
+    more = [i for i in range(27) if use_more_bits(i, 27)]
+    assert len(more) == 13 and 0 in more  # the dense layer and 12 sparse ones
+    assert types == {
+        ("token_embd.weight", Q4_K): 1, ("output.weight", Q6_K): 1, ("output_norm.weight", F32): 1,
+        ("attn_norm.weight", F32): 27, ("ffn_norm.weight", F32): 27,
+        ("attn_q.weight", Q4_K): 27, ("attn_kv_a_mqa.weight", Q4_K): 27,
+        ("attn_kv_a_norm.weight", F32): 27, ("attn_k_b.weight", Q5_0): 27,
+        ("attn_v_b.weight", Q4_K): 27, ("attn_output.weight", Q4_K): 27,
+        ("ffn_gate.weight", Q4_K): 1, ("ffn_up.weight", Q4_K): 1, ("ffn_down.weight", Q8_0): 1,
+        ("ffn_gate_inp.weight", F32): 26, ("ffn_gate_exps.weight", Q4_K): 26,
+        ("ffn_up_exps.weight", Q4_K): 26, ("ffn_down_exps.weight", Q8_0): 12,
+        ("ffn_down_exps.weight", Q5_0): 14, ("ffn_gate_shexp.weight", Q4_K): 26,
+        ("ffn_up_shexp.weight", Q4_K): 26, ("ffn_down_shexp.weight", Q6_K): 12,
+        ("ffn_down_shexp.weight", Q4_K): 14,
+    }  # fmt: skip
+    shapes = {t.name: t.shape for t in tensors}
+    assert shapes["blk.1.ffn_gate_exps.weight"] == (64, 1408, 2048)
+    assert shapes["blk.1.attn_k_b.weight"] == (16, 512, 128)
+    assert shapes["blk.1.attn_v_b.weight"] == (16, 128, 512)
+    assert shapes["blk.1.attn_q.weight"] == (16 * 192, 2048)
+    assert shapes["blk.1.attn_kv_a_mqa.weight"] == (576, 2048)
+    assert sum(t.nbytes for t in tensors) == 10_363_959_296  # 9.65 GiB
+
+
 def test_names_parse_and_unknown_ones_are_refused() -> None:
     assert parse_name("qwen2.5-7b-q4_k_m") == ("qwen2.5-7b", "q4_k_m")
     assert parse_name("mistral-7b-v0.3-q8_0") == ("mistral-7b-v0.3", "q8_0")
@@ -131,7 +170,9 @@ def test_names_parse_and_unknown_ones_are_refused() -> None:
 
 
 def _small_spec(arch: str, recipe: str) -> TwinSpec:
-    return TwinSpec(arch, recipe, num_layers=2, tiny=True, tokenizer="bytes")
+    # DeepSeek V2-Lite keeps its 27 layers: llama.cpp knows the model (no q_lora) by that count
+    layers = None if ARCHITECTURES[arch].mla else 2
+    return TwinSpec(arch, recipe, num_layers=layers, tiny=True, tokenizer="bytes")
 
 
 @pytest.fixture(scope="module")
@@ -148,15 +189,37 @@ def test_a_small_twin_parses_back_with_the_recipes_layout(
     small_twins: dict[str, Path], arch: str, recipe: str
 ) -> None:
     tiny = ARCHITECTURES[arch].tiny()
-    expected = keep_layers(table_tensors(tiny, RECIPES[recipe]), 2)
+    layers = _small_spec(arch, recipe).num_layers or tiny.num_layers
+    expected = keep_layers(table_tensors(tiny, RECIPES[recipe]), layers)
     with GGUFFile(small_twins[arch]) as f:
         got = [TensorSpec(t.name, t.shape, t.ggml_type) for t in f.tensors.values()]
         assert got == expected
-        assert f.metadata[f"{tiny.gguf_arch}.block_count"] == 2
+        assert f.metadata[f"{tiny.gguf_arch}.block_count"] == layers
         assert f.metadata["general.file_type"] == RECIPES[recipe].file_type
         assert len(f.metadata["tokenizer.ggml.tokens"]) == tiny.vocab_size
         embd = f.load_tensor("token_embd.weight")
         assert torch.isfinite(embd).all() and float(embd.std()) == pytest.approx(0.02, rel=0.1)
+
+
+def test_tidal_reads_the_deepseek_twins_latent_experts_and_yarn(
+    small_twins: dict[str, Path],
+) -> None:
+    from tidal.config.arch import FULL, arch_from_gguf
+
+    with GGUFFile(small_twins["deepseek-v2-lite"]) as f:
+        arch = arch_from_gguf(f.metadata, "output.weight" in f.tensors)
+    assert arch.family == "deepseek_v2" and arch.num_layers == 27
+    assert arch.mla is not None and arch.moe is not None
+    assert (arch.mla.q_lora_rank, arch.mla.kv_lora_rank, arch.mla.qk_nope_head_dim,
+            arch.mla.qk_rope_head_dim, arch.mla.v_head_dim) == (None, 512, 32, 64, 32)  # fmt: skip
+    moe = arch.moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size,
+            moe.scoring, moe.norm_topk_prob) == (8, 2, 128, 256, "softmax", False)  # fmt: skip
+    assert arch.moe_layers == tuple(range(1, 27))
+    scaling = arch.rope[FULL].scaling_dict()
+    assert scaling["rope_type"] == "yarn" and scaling["factor"] == 40.0
+    assert scaling["original_max_position_embeddings"] == 4096
+    assert scaling["mscale_all_dim"] == pytest.approx(0.707, rel=1e-6)
 
 
 @pytest.mark.parametrize(("arch", "recipe"), SMALL_TWINS)
@@ -286,6 +349,22 @@ def _llama_bench() -> str | None:
 @pytest.mark.parametrize(("arch", "recipe"), SMALL_TWINS)
 def test_llama_cpp_loads_a_small_twin(small_twins: dict[str, Path], arch: str, recipe: str) -> None:
     cmd = [str(_llama_bench()), "-m", str(small_twins[arch]), "-p", "0", "-n", "4", "-t", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "tg4" in done.stdout
+
+
+def _ik_llama_bench() -> str | None:
+    path = tidal_cache_dir() / "ik_llama.cpp" / "bin" / "llama-bench"
+    return str(path) if path.exists() else None
+
+
+@pytest.mark.skipif(_ik_llama_bench() is None, reason="ik_llama.cpp's llama-bench is not built")
+def test_ik_llama_cpp_loads_the_deepseek_twin(small_twins: dict[str, Path]) -> None:
+    """ik_llama.cpp takes llama.cpp's MQA form of MLA only at DeepSeek's latent sizes (576 and
+    512 values, 64 rotary): the tiny twin keeps them."""
+    cmd = [str(_ik_llama_bench()), "-m", str(small_twins["deepseek-v2-lite"]), "-p", "0", "-n",
+           "4", "-t", "1"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tg4" in done.stdout

@@ -254,7 +254,11 @@ def layouts_table() -> str:
     for a in ARCHITECTURES.values():
         notes = ", ".join(n for n, on in (("qkv bias", a.qkv_bias), ("q/k norm", a.qk_norm),
                           ("llama3 rope_freqs", a.llama3_rope is not None),
-                          ("tied output", a.tied_embeddings)) if on)  # fmt: skip
+                          ("tied output", a.tied_embeddings),
+                          ("MLA (latent 512 + 64), YaRN", a.mla is not None),
+                          (f"{a.experts.count} experts ({a.experts.used} a token) + "
+                           f"{a.experts.shared} shared of {a.experts.intermediate_size}"
+                           if a.experts else "", a.experts is not None)) if on)  # fmt: skip
         rows.append(f"| {a.name}-RECIPE | {a.gguf_arch} | {a.num_layers} | {a.hidden_size} | "
                     f"{a.intermediate_size} | {a.num_heads} / {a.num_kv_heads} | {a.head_dim} | "
                     f"{a.vocab_size} | rope theta {a.rope_theta:,.0f}{', ' if notes else ''}{notes} |")  # fmt: skip
