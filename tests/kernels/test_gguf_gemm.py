@@ -309,3 +309,44 @@ def test_bench_paths_compute_the_product_into_one_output() -> None:
     if lib8 is not None:
         w8 = codes.float() * scales.repeat_interleave(32, dim=1)
         torch.testing.assert_close(lib8, x @ w8.T, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_jobs_give_each_row_the_bits_of_its_own_call(isa: str) -> None:
+    """gguf_gemm_jobs (a MoE step's experts in one call): each job's rows of x (gathered, repeats
+    allowed), its segments side by side, equal to gguf_gemm on the same rows; a None job's rows
+    and the columns past a narrower job are left as they were."""
+    k = 512
+    experts = [gg.BlockSegments((weight(Q.Q4_K, 40, k, seed=e), weight(Q.Q4_K, 40, k, seed=9 + e)))
+               for e in range(3)]  # fmt: skip
+    downs = [gg.BlockSegments((weight(t, n, k, seed=20 + i),))
+             for i, (t, n) in enumerate([(Q.Q5_0, 24), (Q.Q8_0, 33), (Q.Q6_K, 17), (Q.IQ4_XS, 5)])]  # fmt: skip
+    torch.manual_seed(5)
+    x = torch.randn(9, k)
+    for jobs, counts, rows in [
+        (experts, [1, 3, 7], [4, 0, 4, 8, 0, 1, 2, 3, 5, 6, 7]),
+        ([experts[2], None, experts[0]], [2, 2, 1], [8, 8, 1, 2, 0]),
+        (downs, [2, 1, 12, 1], [3, 5, 0, *range(9), 1, 2, 3, 7]),
+    ]:
+        index = torch.tensor(rows)
+        width = max(j.rows for j in jobs if j is not None) + 3
+        out = torch.full((len(rows), width), -1.0)
+        assert gg.gguf_gemm_jobs(x, jobs, counts, index, isa, out=out) is out
+        start = 0
+        for job, n in zip(jobs, counts, strict=True):
+            got = out[start : start + n]
+            if job is None:
+                assert (got == -1).all()
+            else:
+                alone = gg.gguf_gemm(x[index[start : start + n]], job, "q8", isa)
+                assert torch.equal(got[:, : job.rows], alone)
+                assert (got[:, job.rows :] == -1).all()
+            start += n
+    fresh = gg.gguf_gemm_jobs(x, downs[:2], [1, 1], torch.tensor([0, 1]), isa)
+    assert fresh is not None and fresh.shape == (2, 33)
+    with pytest.raises(ValueError, match="rows"):
+        gg.gguf_gemm_jobs(x, downs[:1], [2], torch.tensor([0]), isa)
+    with pytest.raises(ValueError, match="K=256"):
+        gg.gguf_gemm_jobs(torch.randn(2, 256), downs[:1], [1], torch.tensor([0]), isa)
+    with pytest.raises(RuntimeError, match="bad shape"):
+        gg.gguf_gemm_jobs(x, downs[:1], [1], torch.tensor([9]), isa)  # past x's rows

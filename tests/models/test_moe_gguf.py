@@ -320,3 +320,44 @@ def test_qwen3moe_q8_blocks_match_the_dequantized_file(tmp_path):
         print(f"qwen3moe Q8_0 blocks vs dequantized: max|diff|={diff:.2e}")
         assert diff < 1e-3
     assert out == ref_out
+
+
+@pytest.fixture(scope="module")
+def v2_lite_twin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three layers of the DeepSeek-V2-Lite layout twin at test size (Q4_K_M: Q4_K gate/up,
+    Q5_0 and Q8_0 down experts, Q4_K/Q6_K shared experts, a dense first layer)."""
+    from tidal.bench.synth import TwinSpec, synthesize
+
+    spec = TwinSpec("deepseek-v2-lite", "q4_k_m", num_layers=3, tiny=True, tokenizer="bytes")
+    return synthesize(spec, tmp_path_factory.mktemp("twin") / "v2-lite.gguf", quiet=True)
+
+
+def test_the_experts_one_grouped_call_equals_one_call_each(v2_lite_twin: Path) -> None:
+    """With int8 activations a step's experts with few tokens share one gate/up and one down
+    kernel call (gguf_gemm_jobs), the busy ones take calls of their own: the layer's output is
+    bit-identical to looping over the experts, for a decode-sized step and a prefill-sized one,
+    and a request's greedy tokens are the same alone or batched."""
+    from tidal import LLM, SamplingParams
+    from tidal.layers import moe as moe_module
+    from tidal.layers.moe import SparseMoE
+
+    llm = LLM(str(v2_lite_twin), kv_cache_bytes=8 << 20, block_size=8, quantization="gguf-q8")
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoE)]
+    assert len(layers) == 2 and layers[0]._expert_blocks() is not None
+    torch.manual_seed(0)
+    mixed = False  # a step with experts on both sides of JOBS_MAX_ROWS
+    for tokens in (1, 3, 14, 40):
+        x = torch.randn(tokens, layers[0].gate.weight.shape[1])
+        grouped = layers[0](x)
+        busy = layers[0].last_expert_tokens
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(SparseMoE, "_blocks_forward", lambda self, *args: None)
+            looped = layers[0](x)
+        assert torch.equal(grouped, looped), tokens
+        limit = moe_module.JOBS_MAX_ROWS
+        mixed |= bool((busy >= limit).any() and ((busy > 0) & (busy < limit)).any())
+    assert mixed
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 9, 33, 2, 71], [1, 2, 3], [100, 200, 300, 400, 17, 18, 19, 20, 21]]
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == alone

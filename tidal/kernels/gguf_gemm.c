@@ -1735,6 +1735,32 @@ static int read_segs(const int64_t *segs, int64_t nseg, int64_t K, seg_t sg[MAX_
     return 0;
 }
 
+/* Weight rows lo..hi-1 of segment g against M rows of q8 x (row stride r32) on the grouped
+ * kernels (q8_grouped(isa)); output column n of row m goes to y[m * ldy + n]. */
+static void q8_grouped_rows(int isa, int vex, const seg_t *g, int64_t lo, int64_t hi,
+                            const uint8_t *xq, int64_t r32, int64_t M, float *y, int64_t ldy) {
+    (void)isa, (void)vex, (void)g, (void)lo, (void)hi, (void)xq, (void)r32, (void)M, (void)y,
+        (void)ldy;
+#ifdef HAVE_AVX2
+#ifdef HAVE_AVX512
+    if (isa == ISA_AVX512) { /* sixteen outputs a vector (eight for M <= QD) */
+        for (int64_t n = lo; n < hi; n += QG2) {
+            const uint8_t *next = n + QG2 < g->n ? g->w + (n + QG2) * g->rb : NULL;
+            q8_group16_avx512(g->type, g->w + n * g->rb, g->rb, (int)(hi - n < QG2 ? hi - n : QG2),
+                              g->nb, next, xq, r32, M, y + n, ldy);
+        }
+        return;
+    }
+#endif
+    for (int64_t n = lo; n < hi; n += QG) {
+        const uint8_t *next = n + QG < g->n ? g->w + (n + QG) * g->rb : NULL;
+        q8_group_avx2(isa == ISA_AVX512 ? VNNI_EVEX : vex ? VNNI_VEX : VNNI_NONE, g->type,
+                      g->w + n * g->rb, g->rb, (int)(hi - n < QG ? hi - n : QG), g->nb, next, xq,
+                      r32, M, y + n, ldy);
+    }
+#endif
+}
+
 /* segs: nseg (<= MAX_SEG) triples (weight pointer, ggml type, rows N_s) sharing K; segment s goes
  * to y's columns from N_0 + ... + N_{s-1}. Integers are int64_t so that every argument travels as
  * one 64-bit word (the ctypes side passes them all as c_void_p, its fastest conversion). Returns
@@ -1834,29 +1860,10 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
                 continue;
             }
 #endif
-#ifdef HAVE_AVX2
             if (grouped) {
-#ifdef HAVE_AVX512
-                if (isa == ISA_AVX512) { /* sixteen outputs a vector (eight for M <= QD) */
-                    for (int64_t n = lo; n < hi; n += QG2) {
-                        const uint8_t *next = n + QG2 < g->n ? g->w + (n + QG2) * g->rb : NULL;
-                        q8_group16_avx512(g->type, g->w + n * g->rb, g->rb,
-                                          (int)(hi - n < QG2 ? hi - n : QG2), g->nb, next, xq,
-                                          r32, M, y + g->col0 + n, ldy);
-                    }
-                    continue;
-                }
-#endif
-                for (int64_t n = lo; n < hi; n += QG) {
-                    const uint8_t *next = n + QG < g->n ? g->w + (n + QG) * g->rb : NULL;
-                    q8_group_avx2(isa == ISA_AVX512 ? VNNI_EVEX : vex ? VNNI_VEX : VNNI_NONE,
-                                  g->type, g->w + n * g->rb, g->rb,
-                                  (int)(hi - n < QG ? hi - n : QG),
-                                  g->nb, next, xq, r32, M, y + g->col0 + n, ldy);
-                }
+                q8_grouped_rows((int)isa, vex, g, lo, hi, xq, r32, M, y + g->col0, ldy);
                 continue;
             }
-#endif
             const uint8_t *xs = act == ACT_Q8 ? xq : (const uint8_t *)x;
             int64_t ldxs = act == ACT_Q8 ? r32 : ldx * (int64_t)sizeof(float);
 #ifdef HAVE_AVX2
@@ -1889,6 +1896,98 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
     free(xt);
 #endif
     if (xq != stack) free(xq);
+    return 0;
+}
+
+/* Grouped products, for mixture-of-experts layers: job j is up to MAX_SEG weight segments (one
+ * expert's gate and up, or its down) sharing K, applied to n_j rows of x, the ones listed in
+ * rows[r_j .. r_j + n_j) (r_j = n_0 + ... + n_{j-1}); its outputs go to y's rows r_j .. r_j +
+ * n_j - 1, segments side by side as tidal_gguf_gemm writes them. jobs holds JOB_WORDS int64s a
+ * job: nseg, n_j, then MAX_SEG (pointer, type, rows) triples; a job of no segments keeps its rows
+ * of y untouched (the caller computes them another way). One parallel region runs every
+ * job's rows (a decode step's experts were a call each); the q8 activations only, on the
+ * grouped kernels or scalar C, so each output has the bits tidal_gguf_gemm gives it for the same
+ * rows of x on any path. */
+#define JOB_WORDS (2 + 3 * MAX_SEG)
+int tidal_gguf_gemm_jobs(const float *x, int64_t T, int64_t K, int64_t ldx, const int64_t *jobs,
+                         int64_t njobs, const int64_t *rows, float *y, int64_t ldy, int64_t isa,
+                         int64_t nthreads) {
+    const int vex = isa == ISA_AVX2_VNNI;
+    if (vex && !tidal_gguf_has_avx2vnni()) return ERR_ISA;
+    if (vex) isa = ISA_AVX2;
+    if (isa == ISA_AMX && !tidal_gguf_has_amx()) return ERR_ISA;
+    if (isa == ISA_AMX) isa = ISA_AVX512; /* the same bits as the tile unit's */
+    int grouped = q8_grouped((int)isa);
+    if (!grouped && isa != ISA_SCALAR) return ERR_ISA;
+    if (njobs < 0 || T < 0 || K <= 0 || K % 32) return ERR_SHAPE;
+    if (njobs == 0) return 0;
+    seg_t *sg = malloc(sizeof(seg_t) * MAX_SEG * (size_t)njobs);
+    int64_t *r0 = malloc(sizeof(int64_t) * (size_t)(njobs + 1));
+    if (!sg || !r0) {
+        free(sg), free(r0);
+        return ERR_NOMEM;
+    }
+    int64_t units = 0, width = 0;
+    int rc = 0;
+    r0[0] = 0;
+    for (int64_t j = 0; j < njobs && !rc; j++) {
+        const int64_t *jb = jobs + j * JOB_WORDS;
+        rc = read_segs(jb + 2, jb[0], K, sg + j * MAX_SEG);
+        if (!rc && jb[1] < 0) rc = ERR_SHAPE;
+        r0[j + 1] = r0[j] + (rc ? 0 : jb[1]);
+        for (int s = 0; !rc && s < MAX_SEG; s++) {
+            const seg_t *g = sg + j * MAX_SEG + s;
+            if (!grouped && g->n && !SCALAR[ACT_Q8][g->type]) rc = ERR_TYPE;
+            units += jb[1] ? (g->n + CHUNK - 1) / CHUNK : 0;
+            width = g->col0 + g->n > width ? g->col0 + g->n : width;
+        }
+    }
+    const int64_t nrows = rc ? 0 : r0[njobs];
+    for (int64_t r = 0; r < nrows && !rc; r++)
+        if (rows[r] < 0 || rows[r] >= T) rc = ERR_SHAPE;
+    if (!rc && width > ldy && nrows > 1) rc = ERR_SHAPE;
+    const int64_t r32 = K / 32 * X32_BYTES;
+    uint8_t *xq = rc ? NULL : malloc((size_t)(nrows * r32) + 1);
+    int64_t *unit = rc ? NULL : malloc(sizeof(int64_t) * 3 * (size_t)(units + 1));
+    if (!rc && (!xq || !unit)) rc = ERR_NOMEM;
+    if (rc) {
+        free(sg), free(r0), free(xq), free(unit);
+        return rc;
+    }
+    int64_t u = 0; /* (job, segment, first row) per unit of CHUNK weight rows, job by job */
+    for (int64_t j = 0; j < njobs; j++)
+        for (int s = 0; s < MAX_SEG && r0[j + 1] > r0[j]; s++)
+            for (int64_t lo = 0; lo < sg[j * MAX_SEG + s].n; lo += CHUNK, u++)
+                unit[3 * u] = j, unit[3 * u + 1] = s, unit[3 * u + 2] = lo;
+#pragma omp parallel num_threads(nthreads > 0 ? (int)nthreads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < njobs; j++) /* the rows of jobs with segments */
+            for (int64_t r = jobs[j * JOB_WORDS] ? r0[j] : r0[j + 1]; r < r0[j + 1]; r++)
+                quant_x((int)isa, x + rows[r] * ldx, K, xq + r * r32);
+#pragma omp for schedule(static)
+        for (int64_t c = 0; c < units; c++) {
+            int64_t j = unit[3 * c], lo = unit[3 * c + 2];
+            const seg_t *g = sg + j * MAX_SEG + unit[3 * c + 1];
+            int64_t hi = lo + CHUNK < g->n ? lo + CHUNK : g->n, M = r0[j + 1] - r0[j];
+            const uint8_t *xs = xq + r0[j] * r32;
+            float *yj = y + r0[j] * ldy + g->col0;
+            if (grouped) {
+                q8_grouped_rows((int)isa, vex, g, lo, hi, xs, r32, M, yj, ldy);
+                continue;
+            }
+            float out[MT];
+            tile_fn fn = SCALAR[ACT_Q8][g->type];
+            for (int64_t m = 0; m < M; m += MT) {
+                int mt = (int)(M - m < MT ? M - m : MT);
+                for (int64_t n = lo; n < hi; n++) {
+                    fn(g->w + n * g->rb, g->nb, xs + m * r32, r32, mt, out);
+                    for (int i = 0; i < mt; i++) yj[(m + i) * ldy + n] = out[i];
+                }
+            }
+        }
+    }
+    free(sg), free(r0), free(xq), free(unit);
     return 0;
 }
 

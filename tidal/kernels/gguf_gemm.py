@@ -167,6 +167,9 @@ def _library() -> ctypes.CDLL | None:
     lib.tidal_gguf_gemm.restype = ctypes.c_int
     # x, M, K, ldx, segments, nseg, y, ldy, act, isa, threads
     lib.tidal_gguf_gemm.argtypes = [_word] * 11
+    lib.tidal_gguf_gemm_jobs.restype = ctypes.c_int
+    # x, T, K, ldx, jobs, njobs, rows, y, ldy, isa, threads
+    lib.tidal_gguf_gemm_jobs.argtypes = [_word] * 11
     lib.tidal_gguf_gemm_panels.restype = ctypes.c_int
     # x, M, K, ldx, segments, nseg, y, ldy, threads
     lib.tidal_gguf_gemm_panels.argtypes = [_word] * 9
@@ -322,6 +325,77 @@ def _out_arg(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
             f"out must be CPU float32 ({m}, {n}) with unit inner stride; got {out.dtype} "
             f"{tuple(out.shape)} strides {out.stride()} on {out.device}"
         )
+    return out
+
+
+JOB_WORDS = 2 + 3 * MAX_SEGMENTS  # gguf_gemm.c's words per job
+
+
+def gguf_gemm_jobs(
+    x: torch.Tensor,
+    jobs: Sequence[BlockSegments | None],
+    counts: Sequence[int],
+    rows: torch.Tensor,
+    isa: str | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> torch.Tensor | None:
+    """Many products in one kernel call, with the "q8" activations: job j multiplies the
+    `counts[j]` rows of x (T, K) listed next in `rows` (int64) by `jobs[j]`'s weights, into the
+    next `counts[j]` rows of the result, its segments side by side as gguf_gemm writes them.
+    The result is `out` if given (CPU float32, contiguous, (sum of counts, N) with N at least the
+    widest job's rows), else a new tensor as wide as the widest job; a job's columns past its
+    rows, and every row of a None job, are left as they were (a caller computes those another
+    way). Each output row is bit-identical to gguf_gemm(x[rows], jobs[j], "q8") on any path. A
+    mixture of experts runs a step's experts this way: a job an expert, its rows the tokens
+    routed to it. None where the kernel cannot take x (no library, not a CPU float32 matrix with
+    unit inner stride)."""
+    lib = _library()
+    if lib is None or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 2:
+        return None
+    t, k = x.shape
+    if x.stride(1) != 1 and k != 1:
+        return None
+    if len(jobs) != len(counts):
+        raise ValueError(f"{len(jobs)} jobs but {len(counts)} counts")
+    total = sum(counts)
+    if rows.dtype is not torch.int64 or rows.dim() != 1 or rows.numel() != total:
+        raise ValueError(f"rows must be int64 ({total},); got {rows.dtype} {tuple(rows.shape)}")
+    rows = rows.contiguous()
+    words: list[int] = []
+    width = 0
+    for job, n in zip(jobs, counts, strict=True):
+        if job is None:
+            words += [0, int(n), *[0] * (3 * MAX_SEGMENTS)]
+            continue
+        if job.cols != k:
+            raise ValueError(f"x has K={k} columns but a job's weights have cols={job.cols}")
+        for w in job.weights:
+            if w.blocks.data_ptr() != w._args[0]:
+                raise ValueError(_MOVED)
+        args = [a for w in job.weights for a in w._args]
+        words += [job.nseg, int(n), *args, *[0] * (3 * (MAX_SEGMENTS - job.nseg))]
+        width = max(width, job.rows)
+    if out is None:
+        out = torch.empty((total, width), dtype=torch.float32)
+    elif (out.dtype is not torch.float32 or not out.is_cpu or not out.is_contiguous()
+          or out.dim() != 2 or out.shape[0] != total or out.shape[1] < width):  # fmt: skip
+        raise ValueError(
+            f"out must be CPU float32, contiguous, ({total}, >= {width}); got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}"
+        )
+    desc = (ctypes.c_int64 * len(words))(*words)
+    call = (x.data_ptr(), t, k, x.stride(0) if t > 1 else k, ctypes.addressof(desc), len(jobs),
+            rows.data_ptr(), out.data_ptr(), out.shape[1], _isa_code(isa),
+            threads or torch.get_num_threads())  # fmt: skip
+    if _profiling():
+        with _record("tidal::gguf_gemm_jobs"):
+            rc = lib.tidal_gguf_gemm_jobs(*call)
+    else:
+        rc = lib.tidal_gguf_gemm_jobs(*call)
+    if rc:
+        _check(rc, "gguf_gemm_jobs")
     return out
 
 

@@ -10,6 +10,9 @@
 int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int64_t *segs,
                     int64_t nseg, float *y, int64_t ldy, int64_t act, int64_t isa,
                     int64_t nthreads);
+int tidal_gguf_gemm_jobs(const float *x, int64_t T, int64_t K, int64_t ldx, const int64_t *jobs,
+                         int64_t njobs, const int64_t *rows, float *y, int64_t ldy, int64_t isa,
+                         int64_t nthreads);
 int tidal_gguf_gemm_panels(const float *x, int64_t M, int64_t K, int64_t ldx, const int64_t *segs,
                            int64_t nseg, float *y, int64_t ldy, int64_t nthreads);
 

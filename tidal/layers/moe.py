@@ -6,7 +6,14 @@ import torch
 from torch import nn
 
 from tidal.config.moe import MoEConfig
+from tidal.kernels.decoder import gated_act
+from tidal.kernels.gguf_gemm import gguf_gemm_jobs
 from tidal.layers.mlp import GatedMLP
+from tidal.quant.gguf_blocks import GGUFLinear
+
+# An expert with this many tokens in a step or more runs in calls of its own (where AMX tiles
+# pay from 6 or 12 rows of x); the others share one grouped call (tidal_gguf_gemm_jobs).
+JOBS_MAX_ROWS = 6
 
 
 class Router(nn.Module):
@@ -80,23 +87,94 @@ class SparseMoE(nn.Module):
         weights, ids = self.gate(x)  # (T, k) each
         top_k = ids.shape[1]
         flat = ids.reshape(-1)  # (T * k,): entry j is token j // k's choice j % k
-        # Group the (token, choice) pairs by expert: one gather and one GatedMLP call per expert
-        # that has tokens, in expert order, so a token sums its experts in the same order
-        # whatever else is in the batch.
+        # Group the (token, choice) pairs by expert: each expert runs once on its tokens, in
+        # expert order, so a token sums its experts in the same order whatever else is in the
+        # batch.
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.last_expert_tokens = counts
         token_of = order // top_k  # (T * k,) token index of each sorted pair
         pair_weight = weights.reshape(-1)[order].to(x.dtype)  # (T * k,)
-        out = torch.zeros_like(x)
-        start = 0
-        for expert_id, n in enumerate(counts.tolist()):
-            if n == 0:
-                continue
-            rows = token_of[start : start + n]
-            y = self.experts[expert_id](x[rows])  # (n, hidden)
-            out.index_add_(0, rows, y * pair_weight[start : start + n, None])
-            start += n
+        n_per_expert = counts.tolist()
+        y = self._blocks_forward(x, token_of, n_per_expert)
+        if y is not None:  # (T * k, hidden), pairs in order: one index_add_, pairs in order
+            out = torch.zeros_like(x).index_add_(0, token_of, y * pair_weight[:, None])
+        else:
+            out = torch.zeros_like(x)
+            start = 0
+            for expert_id, n in enumerate(n_per_expert):
+                if n == 0:
+                    continue
+                rows = token_of[start : start + n]
+                y = self.experts[expert_id](x[rows])  # (n, hidden)
+                out.index_add_(0, rows, y * pair_weight[start : start + n, None])
+                start += n
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out.view(num_tokens, hidden)
+
+    def _blocks_forward(
+        self, x: torch.Tensor, token_of: torch.Tensor, n_per_expert: list[int]
+    ) -> torch.Tensor | None:
+        """Every routed expert's output for its sorted pairs, (T * k, hidden), where the experts
+        are GGUF blocks with int8 activations: the experts with few tokens (all of a decode
+        step's) in one kernel call for gate/up and one for down; an expert with enough tokens for
+        the tile unit in calls of its own. Bit-identical to running the experts one by one. None
+        where the experts are not such blocks (the caller loops over them)."""
+        experts = self._expert_blocks()
+        if experts is None or x.dtype is not torch.float32 or not x.is_cpu:
+            return None
+        used = [(e, n) for e, n in enumerate(n_per_expert) if n]
+        counts = [n for _, n in used]
+        gate_ups = [experts[e][0] if n < JOBS_MAX_ROWS else None for e, n in used]
+        inter = self.experts[0].intermediate
+        gate_up = torch.empty((token_of.numel(), 2 * inter), dtype=torch.float32)
+        if (
+            gguf_gemm_jobs(x, [g and g.parts for g in gate_ups], counts, token_of, out=gate_up)
+            is None
+        ):
+            return None
+        self._run_large(used, experts, 0, x, token_of, gate_up)
+        mixed = gated_act(gate_up, inter, self.experts[0].act_name)
+        if mixed is None:
+            return None
+        pairs = torch.arange(token_of.numel())
+        downs = [experts[e][1] if n < JOBS_MAX_ROWS else None for e, n in used]
+        y = torch.empty((token_of.numel(), x.shape[1]), dtype=torch.float32)
+        if gguf_gemm_jobs(mixed, [d and d.parts for d in downs], counts, pairs, out=y) is None:
+            return None
+        self._run_large(used, experts, 1, mixed, pairs, y)
+        return y
+
+    @staticmethod
+    def _run_large(
+        used: list[tuple[int, int]],
+        experts: list[tuple[GGUFLinear, GGUFLinear]],
+        which: int,
+        x: torch.Tensor,
+        rows: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """The experts with JOBS_MAX_ROWS tokens or more, each its own call (AMX tiles where
+        the machine has them), into their rows of `out`."""
+        start = 0
+        for e, n in used:
+            if n >= JOBS_MAX_ROWS:
+                experts[e][which].forward_into(x[rows[start : start + n]], out[start : start + n])
+            start += n
+
+    def _expert_blocks(self) -> list[tuple[GGUFLinear, GGUFLinear]] | None:
+        """Each expert's fused gate/up and down GGUFLinear, where every expert has them with
+        int8 activations, float32 outputs and no bias; else None."""
+        blocks = []
+        for expert in self.experts:
+            gate_up, down = expert.gate_up_proj, expert.down_proj
+            if not (isinstance(gate_up, GGUFLinear) and isinstance(down, GGUFLinear)):
+                return None
+            for linear in (gate_up, down):
+                if linear.act != "q8" or linear.bias is not None:
+                    return None
+                if linear.out_dtype is not torch.float32:
+                    return None
+            blocks.append((gate_up, down))
+        return blocks
