@@ -214,7 +214,7 @@ def test_tidal_reads_the_deepseek_twins_latent_experts_and_yarn(
             arch.mla.qk_rope_head_dim, arch.mla.v_head_dim) == (None, 512, 32, 64, 32)  # fmt: skip
     moe = arch.moe
     assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.shared_intermediate_size,
-            moe.scoring, moe.norm_topk_prob) == (8, 2, 128, 256, "softmax", False)  # fmt: skip
+            moe.scoring, moe.norm_topk_prob) == (16, 2, 128, 256, "softmax", False)  # fmt: skip
     assert arch.moe_layers == tuple(range(1, 27))
     scaling = arch.rope[FULL].scaling_dict()
     assert scaling["rope_type"] == "yarn" and scaling["factor"] == 40.0

@@ -361,3 +361,30 @@ def test_the_experts_one_grouped_call_equals_one_call_each(v2_lite_twin: Path) -
     prompts = [[5, 9, 33, 2, 71], [1, 2, 3], [100, 200, 300, 400, 17, 18, 19, 20, 21]]
     alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == alone
+
+
+def test_the_absorbed_decode_multiplies_by_the_files_latent_blocks(v2_lite_twin: Path) -> None:
+    """A split deepseek2 file's attn_k_b / attn_v_b blocks reach each MLA layer cut per head
+    (W_UK[h]^T and W_UV[h]); with int8 activations the decode rows multiply by them in one call
+    for every head, within the activations' rounding of the float W_UK / W_UV products."""
+    from tidal import LLM
+    from tidal.attention.mla_paged import _per_head
+    from tidal.layers.mla_attention import MLAttention
+
+    llm = LLM(str(v2_lite_twin), kv_cache_bytes=8 << 20, block_size=8, quantization="gguf-q8")
+    layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, MLAttention)]
+    assert len(layers) == 3 and all(m._latent_jobs() is not None for m in layers)
+    m = layers[1]
+    assert len(m.uk_jobs) == m.num_heads and m.uk_jobs[0].rows == m.rank
+    torch.manual_seed(1)
+    q_nope, o_lat = torch.randn(3, m.num_heads, m.nope), torch.randn(3, m.num_heads, m.rank)
+    for x, jobs, exact in (
+        (q_nope, m.uk_jobs, torch.einsum("bhn,hnr->bhr", q_nope, m.w_uk)),
+        (o_lat, m.uv_jobs, torch.einsum("bhr,hvr->bhv", o_lat, m.w_uv)),
+    ):
+        got = _per_head(x, jobs)
+        assert got is not None and got.shape == exact.shape
+        assert float((got - exact).norm() / exact.norm()) < 2e-2
+    float_llm = LLM(str(v2_lite_twin), kv_cache_bytes=8 << 20, block_size=8, quantization="gguf")
+    floats = [m for m in float_llm.engine.runner.model.modules() if isinstance(m, MLAttention)]
+    assert all(m._latent_jobs() is None for m in floats)  # float activations: exact W_UK / W_UV

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 from tidal.attention.metadata import AttentionMetadata
 from tidal.attention.torch_paged import KVPages, _pages, _write
+from tidal.kernels.gguf_gemm import BlockSegments, gguf_gemm_jobs
 
 
 class MLAPagedAttention:
@@ -34,8 +37,11 @@ class MLAPagedAttention:
         w_uk: torch.Tensor,  # (H, nope, rank)
         w_uv: torch.Tensor,  # (H, v, rank)
         scale: float,
+        latent_jobs: tuple[Sequence[BlockSegments], Sequence[BlockSegments]] | None = None,
     ) -> torch.Tensor:
-        """(T, H, v) attention outputs, before o_proj."""
+        """(T, H, v) attention outputs, before o_proj. `latent_jobs`: W_UK[h]^T and W_UV[h] per
+        head in GGUF blocks, which the decode rows multiply by with int8 activations (one
+        kernel call each for all heads and sequences) instead of by the float W_UK and W_UV."""
         tables = meta.groups[group]
         _write(cache, tables.slot_mapping, latent[:, None, :])
         num_tokens, heads, _ = q_nope.shape
@@ -45,7 +51,7 @@ class MLAPagedAttention:
             rows = [meta.query_start[i] for i in decode]
             out[rows] = self._decode(
                 q_nope[rows], q_pe[rows], cache, meta, tables.block_tables[decode], decode,
-                w_uk, w_uv, scale,
+                w_uk, w_uv, scale, latent_jobs,
             )  # fmt: skip
         for i in range(meta.num_seqs):
             if meta.query_lens[i] == 1:
@@ -68,6 +74,7 @@ class MLAPagedAttention:
         w_uk: torch.Tensor,
         w_uv: torch.Tensor,
         scale: float,
+        latent_jobs: tuple[Sequence[BlockSegments], Sequence[BlockSegments]] | None,
     ) -> torch.Tensor:
         bs = meta.block_size
         rank = w_uk.shape[2]
@@ -75,13 +82,22 @@ class MLAPagedAttention:
         num_blocks = int((ctx.max() - 1) // bs + 1)
         pages = _pages(cache, block_tables[:, :num_blocks], q_nope.dtype)
         lat = pages.reshape(len(seqs), num_blocks * bs, -1)  # (B, S, rank + rope)
-        q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # (B, H, rank)
+        q_lat = None
+        if latent_jobs is not None:
+            q_lat = _per_head(q_nope, latent_jobs[0])  # (B, H, rank)
+        if q_lat is None:
+            latent_jobs = None
+            q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # (B, H, rank)
         q = torch.cat((q_lat, q_pe), dim=-1)  # (B, H, rank + rope)
         scores = (q @ lat.transpose(1, 2)).float() * scale  # (B, H, S)
         k_pos = torch.arange(num_blocks * bs, device=q.device)[None, :]  # (1, S)
         scores = scores.masked_fill(~(k_pos < ctx[:, None])[:, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         o_lat = probs @ lat[..., :rank]  # (B, H, rank)
+        if latent_jobs is not None:
+            out = _per_head(o_lat, latent_jobs[1])
+            if out is not None:
+                return out
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)  # (B, H, v)
 
     def _prefill(
@@ -114,6 +130,17 @@ class MLAPagedAttention:
             q, keys, values, attn_mask=(k_pos <= q_pos)[None], scale=scale
         )  # (H, n_q, v)
         return o.transpose(0, 1)
+
+
+def _per_head(x: torch.Tensor, heads: Sequence[BlockSegments]) -> torch.Tensor | None:
+    """(B, H, K) float32 -> (B, H, N): row b of head h times head h's (N, K) block weight, every
+    head in one kernel call with int8 activations; None where the kernel cannot run."""
+    b, h, k = x.shape
+    if x.dtype is not torch.float32:
+        return None
+    rows = x.transpose(0, 1).reshape(h * b, k)  # head-major: job h takes rows h*b .. h*b + b-1
+    y = gguf_gemm_jobs(rows, heads, [b] * h, torch.arange(h * b))
+    return None if y is None else y.view(h, b, -1).transpose(0, 1)
 
 
 def lat_dim(cache: KVPages) -> int:

@@ -102,7 +102,8 @@ class Architecture:
         # the latent keeps its real 512 + 64 values: ik_llama.cpp accepts no other MQA form
         mla = self.mla and replace(self.mla, qk_nope_head_dim=32, v_head_dim=32,
                                    q_lora_rank=self.mla.q_lora_rank and 192)  # fmt: skip
-        experts = self.experts and replace(self.experts, count=8, used=2, intermediate_size=128)
+        # 16 experts: llama-quantize treats 8-expert models (Mixtral) apart
+        experts = self.experts and replace(self.experts, count=16, used=2, intermediate_size=128)
         return replace(self, name=f"{self.name}-tiny", title=f"{self.title} (tiny)",
                        hidden_size=256, intermediate_size=512, num_heads=4,
                        num_kv_heads=1 if mla else 2, head_dim=64, vocab_size=512,

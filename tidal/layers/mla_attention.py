@@ -9,9 +9,11 @@ from tidal.attention.metadata import AttentionMetadata
 from tidal.attention.mla_paged import MLAPagedAttention
 from tidal.attention.torch_paged import KVPages
 from tidal.config.arch import FULL, ArchConfig
+from tidal.kernels.gguf_gemm import BlockSegments, BlockWeight
 from tidal.layers.attention import CosSin
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import apply_rotary, apply_rotary_interleaved, yarn_mscale
+from tidal.quant.gguf_blocks import GGUFLinear
 
 # transformers builds DeepSeek's q_a_layernorm and kv_a_layernorm with RMSNorm's default eps,
 # not config.rms_norm_eps.
@@ -69,6 +71,44 @@ class MLAttention(nn.Module):
         # move with the model and count in its weight bytes.
         self.register_buffer("w_uk", None, persistent=False)
         self.register_buffer("w_uv", None, persistent=False)
+        # The file's own blocks of W_UK[h]^T (rank, nope) and W_UV[h] (v, rank) per head, where a
+        # split deepseek2 GGUF has them in a kernel-readable type (set_latent_blocks): with int8
+        # activations the absorbed decode multiplies by them, all heads in one kernel call.
+        self.uk_jobs: list[BlockSegments] | None = None
+        self.uv_jobs: list[BlockSegments] | None = None
+
+    def set_latent_blocks(self, kind: str, weight: BlockWeight) -> None:
+        """The loader's attn_k_b ("w_uk_blocks", (H * rank, nope)) or attn_v_b ("w_uv_blocks",
+        (H * v, rank)) blocks, cut per head."""
+        rows = weight.rows // self.num_heads
+        heads = [
+            BlockSegments(
+                (
+                    BlockWeight(
+                        weight.blocks[h * rows : (h + 1) * rows],
+                        weight.ggml_type,
+                        rows,
+                        weight.cols,
+                    ),
+                )
+            )  # fmt: skip
+            for h in range(self.num_heads)
+        ]
+        if kind == "w_uk_blocks" and (rows, weight.cols) == (self.rank, self.nope):
+            self.uk_jobs = heads
+        elif kind == "w_uv_blocks" and (rows, weight.cols) == (self.v_dim, self.rank):
+            self.uv_jobs = heads
+        else:
+            raise ValueError(f"{kind}: ({weight.rows}, {weight.cols}) does not fit this layer")
+
+    def _latent_jobs(self) -> tuple[list[BlockSegments], list[BlockSegments]] | None:
+        """Both halves' per-head blocks, where the layer's projections take int8 activations."""
+        if self.uk_jobs is None or self.uv_jobs is None:
+            return None
+        proj = self.kv_a_proj_with_mqa
+        if not isinstance(proj, GGUFLinear) or proj.act != "q8":
+            return None
+        return self.uk_jobs, self.uv_jobs
 
     def fuse_projections(self) -> None:
         """Split kv_b_proj into dense W_UK (H, nope, rank) and W_UV (H, v, rank), kept in the
@@ -102,6 +142,7 @@ class MLAttention(nn.Module):
         latent = torch.cat((c, k_pe), dim=-1)  # (T, rank + rope)
         w_uk, w_uv = (self.w_uk, self.w_uv) if self.w_uk is not None else self._split_kv_b()
         out = self.backend.forward(
-            q_nope, q_pe, latent, kv_cache, meta, self.kv_group, w_uk, w_uv, self.scale
-        )  # (T, H, v)
+            q_nope, q_pe, latent, kv_cache, meta, self.kv_group, w_uk, w_uv, self.scale,
+            self._latent_jobs(),
+        )  # (T, H, v)  # fmt: skip
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.v_dim))

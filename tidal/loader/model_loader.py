@@ -249,6 +249,10 @@ def _finish(
     return LoadedModel(model, arch, p, dtype, device, load_time_s, shard)
 
 
+# names iter_gguf_weights gives a split deepseek2 file's attn_k_b / attn_v_b blocks (weights.py)
+LATENT_BLOCKS = (".w_uk_blocks", ".w_uv_blocks")
+
+
 def _load_gguf_blocks(
     model: nn.Module,
     p: Path,
@@ -274,6 +278,11 @@ def _load_gguf_blocks(
     blocks = {}
     weights = iter_gguf_weights(p, arch, gguf_arch, keep_blocks=swappable, huge_pages=huge_pages)
     for name, tensor in weights:
+        if name.endswith(LATENT_BLOCKS) and shard is None:  # MLA's absorbed decode weights
+            owner = modules.get(name.rpartition(".")[0])
+            if owner is not None and hasattr(owner, "set_latent_blocks"):
+                owner.set_latent_blocks(name.rpartition(".")[2], tensor)
+            continue
         if name not in expected:
             continue
         part = None if shard is None else shard.slice_of(name)

@@ -126,6 +126,8 @@ def iter_gguf_weights(
                 kv_b = _joined_kv_b(f, name, arch)
                 if kv_b is not None:
                     yield kv_b
+                if keep_blocks is not None and int(info.ggml_type) in SUPPORTED_TYPES:
+                    yield _latent_blocks(f, name)
                 continue
             hf = gguf_to_hf_name(name, arch.family)
             if hf is None:
@@ -180,6 +182,22 @@ def _split_experts(
     stacked = f.load_tensor(name, torch.float32)  # (E, rows, cols)
     for e in range(num_experts):
         yield template.format(e), stacked[e]
+
+
+def _latent_blocks(f, name: str) -> tuple[str, BlockWeight]:
+    """attn_k_b (H, rank, nope) or attn_v_b (H, v, rank) of a split deepseek2 file as one
+    BlockWeight over the file's bytes, every head's rows stacked: `w_uk_blocks` (H * rank, nope)
+    holds W_UK[h] transposed, `w_uv_blocks` (H * v, rank) W_UV[h], the forms an absorbed decode
+    multiplies by (tidal/layers/mla_attention.py)."""
+    from tidal.kernels.gguf_gemm import BlockWeight
+
+    info = f.tensors[name]
+    heads, rows, cols = info.shape
+    blocks = torch.from_numpy(f.raw(name)).view(heads * rows, -1)
+    layer = name.split(".")[1]
+    kind = "w_uk_blocks" if name.endswith("attn_k_b.weight") else "w_uv_blocks"
+    weight = BlockWeight(blocks, int(info.ggml_type), heads * rows, cols)
+    return f"model.layers.{layer}.self_attn.{kind}", weight
 
 
 def _joined_kv_b(f, name: str, arch: ArchConfig) -> tuple[str, torch.Tensor] | None:
