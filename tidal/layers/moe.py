@@ -165,7 +165,17 @@ class SparseMoE(nn.Module):
 
     def _expert_blocks(self) -> list[tuple[GGUFLinear, GGUFLinear]] | None:
         """Each expert's fused gate/up and down GGUFLinear, where every expert has them with
-        int8 activations, float32 outputs and no bias; else None."""
+        int8 activations, float32 outputs and no bias; else None. Found once (a decode step
+        asks once a layer); set_activations switches every expert at once, so one expert's
+        mode is checked each time."""
+        cached = self.__dict__.get("_blocks_cache")
+        if cached is not None and cached[0][0] is self.experts[0].gate_up_proj:
+            return cached if cached[0][0].act == "q8" else None
+        blocks = self._find_expert_blocks()
+        self.__dict__["_blocks_cache"] = blocks
+        return blocks
+
+    def _find_expert_blocks(self) -> list[tuple[GGUFLinear, GGUFLinear]] | None:
         blocks = []
         for expert in self.experts:
             gate_up, down = expert.gate_up_proj, expert.down_proj
