@@ -462,3 +462,39 @@ def test_tidal_side_runs_on_a_tiny_model(tmp_path: Path, monkeypatch, sampling: 
         assert p.sampler_s >= 0.002  # its region is timed apart: one call a step, each >= 2 ms
     # every request the measures and the profile ran sampled as asked
     assert seen == {(sampling.get("temperature", 0.0), sampling.get("top_p", 1.0))}
+
+
+def test_a_moe_models_batched_sequences_share_a_prompt_as_batched_bench_s(tmp_path: Path) -> None:
+    """llama-batched-bench feeds every sequence token 0: a mixture of experts routes them alike.
+    On a MoE model tidal's batched measure gives its sequences one prompt too (like for like),
+    adds the distinct-prompt figure, and the report says both."""
+    from tidal.bench.synth import TwinSpec, synthesize
+    from tidal.engine.llm import LLM
+
+    spec = TwinSpec("deepseek-v2-lite", "q4_k_m", num_layers=2, tiny=True, tokenizer="bytes")
+    model = synthesize(spec, tmp_path / "moe.gguf", quiet=True)
+    cfg = KernelsConfig(threads=1, repetitions=1, prompt_tokens=16, decode_tokens=4,
+                        batch_seqs=3, batch_prompt_tokens=8, tg_prompt_tokens=4)  # fmt: skip
+    prompts: list[list[list[int]]] = []
+    generate = LLM.generate
+
+    def spy(self, *args, **kwargs):
+        prompts.append(kwargs["prompt_token_ids"])
+        return generate(self, *args, **kwargs)
+
+    before = torch.get_num_threads()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(LLM, "generate", spy)
+            measures, settings, _ = run_tidal(cfg, model, {"kv_cache_bytes": 8 << 20}, False)
+    finally:
+        torch.set_num_threads(before)
+    batches = [p for p in prompts if len(p) == 3]
+    assert len(batches) == 3  # warm-up, the measure (one prompt), the distinct-prompt figure
+    assert [len({tuple(p) for p in batch}) for batch in batches] == [1, 1, 3]
+    assert settings["batched_same_prompt"] and settings["batched_distinct"]["samples_tok_s"]
+    rows = [Row(name, m, Measure((1.0,))) for name, m in measures.items()]
+    record = {**_record(rows), "tidal": {**_record(rows)["tidal"], **settings}}
+    text = markdown_report(record, rows)
+    assert "b3-pp8-tg4: a mixture of experts, so tidal's sequences share one prompt" in text
+    assert "(distinct prompts, as real traffic routes: " in text

@@ -15,6 +15,9 @@ its `-rtr 1` run, per measure), in tokens/s:
   `--batch-seqs` and `--batch-prompt-tokens` change its shape (b4-pp2048-tg128: decode over long
   chats); prompts past one step's token budget are prefilled first, so that the timed run's
   first tokens all come from one step (prefix-cache hits) and the window holds decode alone.
+  llama-batched-bench's sequences all read token 0; a mixture of experts routes such sequences
+  to the same experts, so on MoE models tidal's sequences share one prompt too, and the
+  distinct-prompt figure (what real traffic reads) is reported beside it.
 
 tidal runs through the public API only (`tidal.LLM`), with its defaults unless `--tidal-arg k=v`,
 and decodes greedily unless `--sampling k=v` (SamplingParams fields, e.g. temperature=0.8): llama.cpp's
@@ -150,13 +153,15 @@ class _Prompts:
     def __init__(self, seed: int, vocab_size: int, bos_token_id: int | None) -> None:
         self._seed, self._vocab, self._bos = seed, vocab_size, bos_token_id
 
-    def take(self, num: int, length: int) -> list[list[int]]:
+    def take(self, num: int, length: int, same: bool = False) -> list[list[int]]:
+        """`num` prompts of `length` tokens; with `same`, one prompt `num` times."""
         from tidal.bench.workload import make_workload
 
         self._seed += 1
-        work = make_workload(num, self._seed, self._vocab, min_prompt_len=length,
+        work = make_workload(1 if same else num, self._seed, self._vocab, min_prompt_len=length,
                              max_prompt_len=length, bos_token_id=self._bos)  # fmt: skip
-        return [w.prompt_token_ids for w in work]
+        prompts = [w.prompt_token_ids for w in work]
+        return [list(prompts[0]) for _ in range(num)] if same else prompts
 
 
 def prefill_rate(llm, prompts: _Prompts, length: int, sampling: dict[str, Any]) -> float:
@@ -181,15 +186,22 @@ def _prefilled(llm, batch: list[list[int]], sampling: dict[str, Any]) -> list[li
 
 
 def decode_rate(
-    llm, prompts: _Prompts, num_seqs: int, prompt_len: int, tokens: int, sampling: dict[str, Any]
+    llm,
+    prompts: _Prompts,
+    num_seqs: int,
+    prompt_len: int,
+    tokens: int,
+    sampling: dict[str, Any],
+    same: bool = False,
 ) -> float:
     """Decode tokens/s of num_seqs sequences generating `tokens` each after their first token
     (that one comes from the prefill). The window opens at the first sequence's first token, so
     a prefill that spreads over several steps counts against tidal, never for it. Prompts that
     do not fit one step's token budget are prefilled first (max_tokens=1), so that the timed
     run's prompts hit the prefix cache and every first token comes from one step: decode alone,
-    as llama-batched-bench's S_TG times it after its prompts."""
-    batch = _prefilled(llm, prompts.take(num_seqs, prompt_len), sampling)
+    as llama-batched-bench's S_TG times it after its prompts. `same`: every sequence the same
+    prompt (MoE models, see run_tidal)."""
+    batch = _prefilled(llm, prompts.take(num_seqs, prompt_len, same), sampling)
     outs = llm.generate(prompt_token_ids=batch, sampling_params=_params(tokens + 1, sampling))
     for o in outs:
         if len(o.outputs[0].token_ids) != tokens + 1:
@@ -217,15 +229,21 @@ def run_tidal(
     # built (tidal/loader/resident.py); nothing is timed until that copy is done
     wait_promoted()
     prompts = _Prompts(cfg.seed, arch.vocab_size, arch.bos_token_id)
+    # llama-batched-bench feeds every sequence the same tokens (id 0, prompt and generation):
+    # a dense model does the same work either way, but a mixture of experts routes identical
+    # sequences to the same experts and reads a fraction of the weights that distinct ones read.
+    # On MoE models tidal's batched sequences share one prompt (greedy: the same tokens after),
+    # like for like; `batched_distinct` adds the distinct-prompt figure users' traffic sees.
+    same = arch.moe is not None
     settings = {"args": tidal_args, "threads": torch.get_num_threads(), "torch": torch.__version__,
                 "num_layers": arch.num_layers, "config": asdict(llm.config),
-                "kernels": kernel_paths()}  # fmt: skip
+                "kernels": kernel_paths(), "batched_same_prompt": same}  # fmt: skip
     n, p = cfg.decode_tokens, cfg.prompt_tokens
     pp_name, tg_name, batched_name = cfg.names()
     # Warm-up, excluded: one of each shape.
     sampling = cfg.sampling
     prefill_rate(llm, prompts, p, sampling)
-    decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, 4, sampling)
+    decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, 4, sampling, same)
     reps = range(cfg.repetitions)
     pp = Measure(tuple(prefill_rate(llm, prompts, p, sampling) for _ in reps))
     print(f"tidal {pp_name}: {pp.median:.1f} tok/s", file=sys.stderr, flush=True)
@@ -234,10 +252,18 @@ def run_tidal(
     ))  # fmt: skip
     print(f"tidal {tg_name}: {tg.median:.1f} tok/s", file=sys.stderr, flush=True)
     batched = Measure(tuple(
-        decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, n, sampling)
+        decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, n, sampling, same)
         for _ in reps
     ))  # fmt: skip
     print(f"tidal {batched_name}: {batched.median:.1f} tok/s", file=sys.stderr, flush=True)
+    if same:
+        distinct = Measure(tuple(
+            decode_rate(llm, prompts, cfg.batch_seqs, cfg.batch_prompt_tokens, n, sampling)
+            for _ in reps
+        ))  # fmt: skip
+        settings["batched_distinct"] = asdict(distinct)
+        print(f"tidal {batched_name}, distinct prompts: {distinct.median:.1f} tok/s",
+              file=sys.stderr, flush=True)  # fmt: skip
     steps = ()  # one sequence, then the batched measure's sequences together
     if profile:
         steps = tuple(_profile(llm, prompts, cfg, arch.num_layers, seqs)

@@ -107,6 +107,15 @@ def markdown_report(
         lines.append(f"| {r.name} | {' | '.join(cells)} |")
     lines += [f"- {n}" for n in record["llama_cpp"].get("notes", [])]
     lines += [f"- ik_llama.cpp: {n}" for n in (ik or {}).get("notes", [])]
+    if tidal.get("batched_same_prompt"):
+        distinct = tidal.get("batched_distinct")
+        seen = (f" (distinct prompts, as real traffic routes: {_cell(Measure(**distinct))} tok/s)"
+                if distinct else "")  # fmt: skip
+        lines.append(
+            f"- {rows[2].name if len(rows) > 2 else 'batched'}: a mixture of experts, so tidal's "
+            "sequences share one prompt, as llama-batched-bench's all read token 0 (they route "
+            f"to the same experts){seen}"
+        )
     text = "\n".join(lines) + "\n"
     for p in steps:  # each beside its measure's rate without the profiler
         m = rows[1 if p.seqs == 1 else 2].tidal if len(rows) > 2 else None
