@@ -233,3 +233,41 @@ def test_tensor_parallel_is_refused_for_mla_and_moe(model_dir):
     check_tensor_parallel(arch, 1)
     with pytest.raises(ValueError, match="tensor_parallel=2 is not supported for the deepseek_v3"):
         check_tensor_parallel(arch, 2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_latent_decode_reads_the_pages_in_place_in_c(model_dir, kv_dtype):
+    """Decode rows attend through the C paged-attention kernel (one KV head of latents, values
+    the same rows) with the pages read in place, for float, bfloat16 and 8-bit pages: every
+    decode step calls it once a layer, and each step's logprobs match torch's gather-and-widen
+    path to float32 rounding."""
+    import tidal.attention.mla_paged as mla_paged
+    from tidal.kernels import paged_attention
+
+    if not paged_attention.available():
+        pytest.skip("the C paged-attention kernel is not built here")
+    llm = LLM(str(model_dir), kv_cache_bytes=1 << 20, block_size=8, kv_cache_dtype=kv_dtype,
+              quantization_gate=False)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    prompts = _prompts(3, shared_prefix=0)
+    calls = []
+    original = mla_paged._kernel_decode
+
+    def counted(*args):
+        out = original(*args)
+        calls.append(out is not None)
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mla_paged, "_kernel_decode", counted)
+        in_c = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    layers = llm.engine.loaded.arch.num_layers
+    assert calls and all(calls) and len(calls) == 5 * layers  # 5 decode steps, each a call a layer
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(mla_paged, "_kernel_decode", lambda *args: None)
+        in_torch = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    for a, b in zip(in_c, in_torch, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            for token, lp in step_a.items():
+                assert lp.logprob == pytest.approx(step_b[token].logprob, abs=1e-4)

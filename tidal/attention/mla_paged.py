@@ -1,4 +1,5 @@
-"""Paged multi-head latent attention (DeepSeek V2/V3) over a cache of latents, in PyTorch."""
+"""Paged multi-head latent attention (DeepSeek V2/V3) over a cache of latents: decode rows in the
+C paged-attention kernel, prefill chunks in PyTorch."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tidal.attention.cpu_paged import PAGE_TYPES, QUANT_TYPES
+from tidal.attention.kv_quant import QuantizedKV
 from tidal.attention.metadata import AttentionMetadata
 from tidal.attention.torch_paged import KVPages, _pages, _write
+from tidal.kernels import paged_attention as paged_kernel
 from tidal.kernels.gguf_gemm import BlockSegments, gguf_gemm_jobs
 
 
@@ -51,7 +55,7 @@ class MLAPagedAttention:
             rows = [meta.query_start[i] for i in decode]
             out[rows] = self._decode(
                 q_nope[rows], q_pe[rows], cache, meta, tables.block_tables[decode], decode,
-                w_uk, w_uv, scale, latent_jobs,
+                w_uk, w_uv, scale, latent_jobs, latent[rows], tables.slot_mapping[rows],
             )  # fmt: skip
         for i in range(meta.num_seqs):
             if meta.query_lens[i] == 1:
@@ -75,13 +79,10 @@ class MLAPagedAttention:
         w_uv: torch.Tensor,
         scale: float,
         latent_jobs: tuple[Sequence[BlockSegments], Sequence[BlockSegments]] | None,
+        latent: torch.Tensor,  # (B, rank + rope): the new tokens' latents (already written)
+        slots: torch.Tensor,  # (B,) their slots
     ) -> torch.Tensor:
-        bs = meta.block_size
         rank = w_uk.shape[2]
-        ctx = torch.tensor([meta.context_lens[i] for i in seqs], device=q_nope.device)  # (B,)
-        num_blocks = int((ctx.max() - 1) // bs + 1)
-        pages = _pages(cache, block_tables[:, :num_blocks], q_nope.dtype)
-        lat = pages.reshape(len(seqs), num_blocks * bs, -1)  # (B, S, rank + rope)
         q_lat = None
         if latent_jobs is not None:
             q_lat = _per_head(q_nope, latent_jobs[0])  # (B, H, rank)
@@ -89,16 +90,38 @@ class MLAPagedAttention:
             latent_jobs = None
             q_lat = torch.einsum("bhn,hnr->bhr", q_nope, w_uk)  # (B, H, rank)
         q = torch.cat((q_lat, q_pe), dim=-1)  # (B, H, rank + rope)
-        scores = (q @ lat.transpose(1, 2)).float() * scale  # (B, H, S)
-        k_pos = torch.arange(num_blocks * bs, device=q.device)[None, :]  # (1, S)
-        scores = scores.masked_fill(~(k_pos < ctx[:, None])[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(q.dtype)
-        o_lat = probs @ lat[..., :rank]  # (B, H, rank)
+        o_lat = _kernel_decode(q, latent, cache, meta, block_tables, seqs, slots, scale)
+        if o_lat is None:
+            o_lat = self._torch_decode(q, cache, meta, block_tables, seqs, rank, scale)
+        else:
+            o_lat = o_lat[..., :rank]
         if latent_jobs is not None:
             out = _per_head(o_lat, latent_jobs[1])
             if out is not None:
                 return out
         return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)  # (B, H, v)
+
+    @staticmethod
+    def _torch_decode(
+        q: torch.Tensor,  # (B, H, rank + rope) absorbed queries
+        cache: KVPages,
+        meta: AttentionMetadata,
+        block_tables: torch.Tensor,
+        seqs: list[int],
+        rank: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """(B, H, rank) latent outputs, the cache's pages gathered and widened in torch."""
+        bs = meta.block_size
+        ctx = torch.tensor([meta.context_lens[i] for i in seqs], device=q.device)  # (B,)
+        num_blocks = int((ctx.max() - 1) // bs + 1)
+        pages = _pages(cache, block_tables[:, :num_blocks], q.dtype)
+        lat = pages.reshape(len(seqs), num_blocks * bs, -1)  # (B, S, rank + rope)
+        scores = (q @ lat.transpose(1, 2)).float() * scale  # (B, H, S)
+        k_pos = torch.arange(num_blocks * bs, device=q.device)[None, :]  # (1, S)
+        scores = scores.masked_fill(~(k_pos < ctx[:, None])[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).to(q.dtype)
+        return probs @ lat[..., :rank]  # (B, H, rank)
 
     def _prefill(
         self,
@@ -130,6 +153,43 @@ class MLAPagedAttention:
             q, keys, values, attn_mask=(k_pos <= q_pos)[None], scale=scale
         )  # (H, n_q, v)
         return o.transpose(0, 1)
+
+
+def _kernel_decode(
+    q: torch.Tensor,  # (B, H, rank + rope) float32 absorbed queries
+    latent: torch.Tensor,  # (B, rank + rope)
+    cache: KVPages,
+    meta: AttentionMetadata,
+    block_tables: torch.Tensor,  # (B, W)
+    seqs: list[int],
+    slots: torch.Tensor,  # (B,)
+    scale: float,
+) -> torch.Tensor | None:
+    """The decode rows' attention over their latent pages read in place by the C paged-attention
+    kernel, as multi-query attention: one KV head whose keys are the latents (rank + rope) and
+    whose values are the same rows (the first `rank` of the (B, H, rank + rope) result are the
+    latent outputs; the kernel rewrites each new latent where _write put it, the same bytes).
+    Every decode row goes this way whatever else the step holds, so its result does not depend
+    on the batch. None where the kernel cannot take the step (the caller runs torch)."""
+    if q.dtype is not torch.float32 or not q.is_cpu or not paged_kernel.available():
+        return None
+    if isinstance(cache, QuantizedKV):
+        kv_type = QUANT_TYPES.get(cache.kv_dtype)
+        pages, scales = cache.data, cache.scale
+    else:
+        kv_type, pages, scales = PAGE_TYPES.get(cache.dtype), cache, None
+    if kv_type is None or not pages.is_contiguous():
+        return None
+    b = q.shape[0]
+    ctx = [meta.context_lens[i] for i in seqs]
+    seq_arrays = torch.tensor([list(range(b)), [1] * b, ctx], dtype=torch.int32)
+    kv = latent.float().contiguous()[:, None, :]  # (B, 1, rank + rope)
+    args = (q.contiguous(), kv, kv, pages, pages, scales, scales, kv_type, slots.contiguous(),
+            block_tables.contiguous(), seq_arrays, None, scale, None)  # fmt: skip
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function("tidal::paged_attention"):
+            return paged_kernel.paged_attention(*args)
+    return paged_kernel.paged_attention(*args)
 
 
 def _per_head(x: torch.Tensor, heads: Sequence[BlockSegments]) -> torch.Tensor | None:
