@@ -176,7 +176,8 @@ def test_deepseek2_q8_experts_run_from_their_blocks(hf_model, tmp_path):
     dense = load_model(path, torch.float32, weight_cache=False)
     expert = blocks.model.model.layers[1].mlp.experts[3]
     assert isinstance(expert.gate_up_proj, GGUFLinear) and isinstance(expert.down_proj, GGUFLinear)
-    assert isinstance(blocks.model.model.layers[0].self_attn.kv_a_proj_with_mqa, GGUFLinear)
+    attn = blocks.model.model.layers[0].self_attn  # q_a_proj and kv_a_proj_with_mqa, joined
+    assert isinstance(attn.x_proj, GGUFLinear) and len(attn.x_proj.parts) == 2
     ours, out = paged_prefill_and_greedy(blocks.model, blocks.arch, PROMPTS, max_new=8)
     ref, ref_out = paged_prefill_and_greedy(dense.model, dense.arch, PROMPTS, max_new=8)
     for a, b in zip(ours, ref):

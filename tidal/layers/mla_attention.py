@@ -11,6 +11,7 @@ from tidal.attention.torch_paged import KVPages
 from tidal.config.arch import FULL, ArchConfig
 from tidal.kernels.gguf_gemm import BlockSegments, BlockWeight
 from tidal.layers.attention import CosSin
+from tidal.layers.linear import fuse_linears
 from tidal.layers.norm import RMSNorm
 from tidal.layers.rotary import apply_rotary, apply_rotary_interleaved, yarn_mscale
 from tidal.quant.gguf_blocks import GGUFLinear
@@ -74,6 +75,8 @@ class MLAttention(nn.Module):
         # The file's own blocks of W_UK[h]^T (rank, nope) and W_UV[h] (v, rank) per head, where a
         # split deepseek2 GGUF has them in a kernel-readable type (set_latent_blocks): with int8
         # activations the absorbed decode multiplies by them, all heads in one kernel call.
+        self.x_proj: nn.Module | None = None  # fuse_projections(): q (or q_a) and kv_a joined
+        self.x_split = (0, 0)
         self.uk_jobs: list[BlockSegments] | None = None
         self.uv_jobs: list[BlockSegments] | None = None
 
@@ -105,16 +108,27 @@ class MLAttention(nn.Module):
         """Both halves' per-head blocks, where the layer's projections take int8 activations."""
         if self.uk_jobs is None or self.uv_jobs is None:
             return None
-        proj = self.kv_a_proj_with_mqa
+        proj = self.x_proj if self.x_proj is not None else self.kv_a_proj_with_mqa
         if not isinstance(proj, GGUFLinear) or proj.act != "q8":
             return None
         return self.uk_jobs, self.uv_jobs
 
     def fuse_projections(self) -> None:
         """Split kv_b_proj into dense W_UK (H, nope, rank) and W_UV (H, v, rank), kept in the
-        model's float dtype (a quantization swap that runs later leaves them alone)."""
+        model's float dtype (a quantization swap that runs later leaves them alone); join the
+        two projections of x (q_proj or q_a_proj, and kv_a_proj_with_mqa) into one matmul where
+        their weight format allows it."""
         self.w_uk, self.w_uv = self._split_kv_b()
         del self.kv_b_proj
+        first = self.q_a_proj if self.q_lora else self.q_proj
+        self.x_proj = fuse_linears([first, self.kv_a_proj_with_mqa])
+        if self.x_proj is not None:
+            self.x_split = (first.out_features, self.kv_a_proj_with_mqa.out_features)
+            del self.kv_a_proj_with_mqa
+            if self.q_lora:
+                del self.q_a_proj
+            else:
+                del self.q_proj
 
     def _split_kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         proj = self.kv_b_proj
@@ -127,13 +141,16 @@ class MLAttention(nn.Module):
         self, x: torch.Tensor, cos_sin: CosSin, meta: AttentionMetadata, kv_cache: KVPages
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        if self.q_lora:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if self.x_proj is not None:  # q (or q_a) and kv_a in one matmul
+            q, kv_a = self.x_proj(x).split(self.x_split, dim=-1)
         else:
-            q = self.q_proj(x)
-        q = q.view(num_tokens, self.num_heads, self.nope + self.rope_dim)  # (T, H, nope + rope)
+            q = self.q_a_proj(x) if self.q_lora else self.q_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.reshape(num_tokens, self.num_heads, self.nope + self.rope_dim)  # (T, H, nope + rope)
         q_nope, q_pe = q.split((self.nope, self.rope_dim), dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split((self.rank, self.rope_dim), dim=-1)
+        c, k_pe = kv_a.split((self.rank, self.rope_dim), dim=-1)
         c = self.kv_a_layernorm(c)  # (T, rank)
         cos, sin = cos_sin
         rotate = apply_rotary_interleaved if self.interleave else apply_rotary
