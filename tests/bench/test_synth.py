@@ -430,3 +430,31 @@ def test_a_full_7b_twin_writes_in_minutes_and_generates() -> None:
     llm = LLM(str(path), kv_cache_bytes=64 << 20, max_model_len=64)
     out = llm.generate(["Hello"], SamplingParams(max_tokens=2, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 2
+
+
+@pytest.mark.slow
+def test_the_v2_lite_twin_is_served_with_the_r1_reasoning_parser() -> None:
+    """DeepSeek-V2-Lite Q4_K_M's layout (10.4 GB, kept in tidal's cache) through a real `tidal
+    serve` with `--reasoning-parser deepseek_r1` and the openai SDK: the chat answer is split
+    into reasoning and content as an R1 model's would be (random weights: the text is noise)."""
+    _donor_or_skip()
+    import openai
+
+    from tests.server.tiny_server import serve
+
+    path = synthesize(TwinSpec("deepseek-v2-lite", "q4_k_m"))
+    assert path.stat().st_size == pytest.approx(10.37e9, rel=0.01)
+    for server in serve(["--model", str(path), "--kv-cache-bytes", str(64 << 20), "--threads", "2",
+                         "--no-warmup", "--reasoning-parser", "deepseek_r1"]):  # fmt: skip
+        client = openai.OpenAI(api_key="none", base_url=server.base_url + "/v1", max_retries=0,
+                               timeout=600)  # fmt: skip
+        model = client.models.list().data[0].id
+        out = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=6,
+            temperature=0, extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert out.usage is not None and out.usage.completion_tokens == 6
+        message = out.choices[0].message
+        # no </think> among noise: all of it is reasoning, as R1's parser reads an open block
+        reasoning = getattr(message, "reasoning_content", None)
+        assert (reasoning or "") + (message.content or "") != ""

@@ -143,7 +143,7 @@ class SparseMoE(nn.Module):
         y = torch.empty((token_of.numel(), x.shape[1]), dtype=torch.float32)
         if gguf_gemm_jobs(mixed, [d and d.parts for d in downs], counts, pairs, out=y) is None:
             return None
-        self._run_large(used, experts, 1, mixed, pairs, y)
+        self._run_large(used, experts, 1, mixed, None, y)
         return y
 
     @staticmethod
@@ -152,15 +152,17 @@ class SparseMoE(nn.Module):
         experts: list[tuple[GGUFLinear, GGUFLinear]],
         which: int,
         x: torch.Tensor,
-        rows: torch.Tensor,
+        rows: torch.Tensor | None,
         out: torch.Tensor,
     ) -> None:
         """The experts with JOBS_MAX_ROWS tokens or more, each its own call (AMX tiles where
-        the machine has them), into their rows of `out`."""
+        the machine has them), into their rows of `out`; an expert's rows of x are `rows`'
+        entries for its pairs, or (None) x's rows of its pairs themselves."""
         start = 0
         for e, n in used:
             if n >= JOBS_MAX_ROWS:
-                experts[e][which].forward_into(x[rows[start : start + n]], out[start : start + n])
+                part = x[start : start + n] if rows is None else x[rows[start : start + n]]
+                experts[e][which].forward_into(part, out[start : start + n])
             start += n
 
     def _expert_blocks(self) -> list[tuple[GGUFLinear, GGUFLinear]] | None:
