@@ -51,6 +51,14 @@ class CpuPagedAttention:
         )
 
 
+def page_args(cache: KVPages) -> tuple[int | None, torch.Tensor, torch.Tensor | None]:
+    """(the kernel's page type or None where it has none, the page tensor, the 8-bit pages'
+    scales or None) of one layer's cache."""
+    if isinstance(cache, QuantizedKV):
+        return QUANT_TYPES.get(cache.kv_dtype), cache.data, cache.scale
+    return PAGE_TYPES.get(cache.dtype), cache, None
+
+
 def _kernel_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -64,15 +72,8 @@ def _kernel_forward(
     softcap: float | None,
 ) -> torch.Tensor | None:
     """The kernel's output, or None where it cannot take these inputs."""
-    if isinstance(k_cache, QuantizedKV):
-        assert isinstance(v_cache, QuantizedKV)
-        kv_type = QUANT_TYPES.get(k_cache.kv_dtype)
-        k_pages, v_pages = k_cache.data, v_cache.data
-        k_scales, v_scales = k_cache.scale, v_cache.scale
-    else:
-        assert isinstance(v_cache, torch.Tensor)
-        kv_type = PAGE_TYPES.get(k_cache.dtype)
-        k_pages, v_pages, k_scales, v_scales = k_cache, v_cache, None, None
+    kv_type, k_pages, k_scales = page_args(k_cache)
+    _, v_pages, v_scales = page_args(v_cache)
     dtype = q.dtype
     if kv_type is None or dtype not in ACT_TYPES:
         return None

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tidal.attention.cpu_paged import PAGE_TYPES, QUANT_TYPES
-from tidal.attention.kv_quant import QuantizedKV
+from tidal.attention.cpu_paged import page_args
 from tidal.attention.metadata import AttentionMetadata
 from tidal.attention.torch_paged import KVPages, _pages, _write
 from tidal.kernels import paged_attention as paged_kernel
@@ -173,11 +172,7 @@ def _kernel_decode(
     on the batch. None where the kernel cannot take the step (the caller runs torch)."""
     if q.dtype is not torch.float32 or not q.is_cpu or not paged_kernel.available():
         return None
-    if isinstance(cache, QuantizedKV):
-        kv_type = QUANT_TYPES.get(cache.kv_dtype)
-        pages, scales = cache.data, cache.scale
-    else:
-        kv_type, pages, scales = PAGE_TYPES.get(cache.dtype), cache, None
+    kv_type, pages, scales = page_args(cache)
     if kv_type is None or not pages.is_contiguous():
         return None
     b = q.shape[0]

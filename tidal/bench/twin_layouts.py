@@ -293,27 +293,32 @@ def table_metadata(
             meta("general.name", arch.title, STRING),
             meta("general.description", description, STRING),
             meta("general.size_label", arch.size_label, STRING),
-            meta(f"{a}.block_count", arch.num_layers, UINT32),
-            meta(f"{a}.context_length", arch.context_length, UINT32),
-            meta(f"{a}.embedding_length", arch.hidden_size, UINT32),
-            meta(f"{a}.feed_forward_length", arch.intermediate_size, UINT32),
-            meta(f"{a}.attention.head_count", arch.num_heads, UINT32),
-            meta(f"{a}.attention.head_count_kv", arch.num_kv_heads, UINT32),
-            meta(f"{a}.rope.freq_base", arch.rope_theta, FLOAT32),
-            meta(f"{a}.attention.layer_norm_rms_epsilon", arch.rms_norm_eps, FLOAT32)]  # fmt: skip
+            *_keys(a, ("block_count", arch.num_layers), ("context_length", arch.context_length),
+                   ("embedding_length", arch.hidden_size),
+                   ("feed_forward_length", arch.intermediate_size),
+                   ("attention.head_count", arch.num_heads),
+                   ("attention.head_count_kv", arch.num_kv_heads),
+                   ("rope.freq_base", arch.rope_theta),
+                   ("attention.layer_norm_rms_epsilon", arch.rms_norm_eps))]  # fmt: skip
     if arch.experts is not None:
-        head.append(meta(f"{a}.expert_used_count", arch.experts.used, UINT32))
+        head += _keys(a, ("expert_used_count", arch.experts.used))
     if arch.mla is not None:
         head += _deepseek2_metadata(arch)
     elif arch.qk_norm or arch.head_dim * arch.num_heads != arch.hidden_size:
-        head += [meta(f"{a}.attention.key_length", arch.head_dim, UINT32),
-                 meta(f"{a}.attention.value_length", arch.head_dim, UINT32)]  # fmt: skip
+        head += _keys(a, ("attention.key_length", arch.head_dim),
+                      ("attention.value_length", arch.head_dim))  # fmt: skip
     if a == "llama":
-        head += [meta(f"{a}.vocab_size", arch.vocab_size, UINT32),
-                 meta(f"{a}.rope.dimension_count", arch.head_dim, UINT32)]  # fmt: skip
+        head += _keys(a, ("vocab_size", arch.vocab_size), ("rope.dimension_count", arch.head_dim))
     tail = [meta("general.quantization_version", QUANTIZATION_VERSION, UINT32),
             meta("general.file_type", recipe.file_type, UINT32)]  # fmt: skip
     return head, tail
+
+
+def _keys(arch: str, *items: tuple[str, object]) -> list[MetaValue]:
+    """`{arch}.{key}` values, typed as convert_hf_to_gguf.py writes them: bool, float32, uint32
+    or string by the Python value."""
+    types = {bool: BOOL, float: FLOAT32, int: UINT32, str: STRING}
+    return [meta(f"{arch}.{key}", value, types[type(value)]) for key, value in items]
 
 
 def _deepseek2_metadata(arch: Architecture) -> list[MetaValue]:
@@ -321,30 +326,22 @@ def _deepseek2_metadata(arch: Architecture) -> list[MetaValue]:
     rank + rope, value_length rank) with the per-head ones in the _mla keys, the experts, YaRN."""
     a, m, e = arch.gguf_arch, arch.mla, arch.experts
     assert m is not None and e is not None
-    out = [meta(f"{a}.vocab_size", arch.vocab_size, UINT32),
-           meta(f"{a}.leading_dense_block_count", e.leading_dense, UINT32)]  # fmt: skip
-    if m.q_lora_rank is not None:
-        out.append(meta(f"{a}.attention.q_lora_rank", m.q_lora_rank, UINT32))
-    out += [meta(f"{a}.attention.kv_lora_rank", m.kv_lora_rank, UINT32),
-            meta(f"{a}.attention.key_length", m.kv_lora_rank + m.qk_rope_head_dim, UINT32),
-            meta(f"{a}.attention.value_length", m.kv_lora_rank, UINT32),
-            meta(f"{a}.attention.key_length_mla", m.qk_nope_head_dim + m.qk_rope_head_dim,
-                 UINT32),
-            meta(f"{a}.attention.value_length_mla", m.v_head_dim, UINT32),
-            meta(f"{a}.expert_feed_forward_length", e.intermediate_size, UINT32),
-            meta(f"{a}.expert_count", e.count, UINT32),
-            meta(f"{a}.expert_shared_count", e.shared, UINT32),
-            meta(f"{a}.expert_weights_scale", e.weights_scale, FLOAT32),
-            meta(f"{a}.expert_weights_norm", e.weights_norm, BOOL),
-            meta(f"{a}.expert_gating_func", e.gating, UINT32),
-            meta(f"{a}.rope.dimension_count", m.qk_rope_head_dim, UINT32)]  # fmt: skip
+    q_lora = () if m.q_lora_rank is None else (("attention.q_lora_rank", m.q_lora_rank),)
+    out = _keys(a, ("vocab_size", arch.vocab_size), ("leading_dense_block_count", e.leading_dense),
+                *q_lora, ("attention.kv_lora_rank", m.kv_lora_rank),
+                ("attention.key_length", m.kv_lora_rank + m.qk_rope_head_dim),
+                ("attention.value_length", m.kv_lora_rank),
+                ("attention.key_length_mla", m.qk_nope_head_dim + m.qk_rope_head_dim),
+                ("attention.value_length_mla", m.v_head_dim),
+                ("expert_feed_forward_length", e.intermediate_size), ("expert_count", e.count),
+                ("expert_shared_count", e.shared), ("expert_weights_scale", e.weights_scale),
+                ("expert_weights_norm", e.weights_norm), ("expert_gating_func", e.gating),
+                ("rope.dimension_count", m.qk_rope_head_dim))  # fmt: skip
     if arch.yarn is not None:
         y = arch.yarn
-        out += [meta(f"{a}.rope.scaling.type", "yarn", STRING),
-                meta(f"{a}.rope.scaling.factor", y.factor, FLOAT32),
-                meta(f"{a}.rope.scaling.original_context_length", y.original_context_length,
-                     UINT32),
-                meta(f"{a}.rope.scaling.yarn_log_multiplier", y.log_multiplier, FLOAT32)]  # fmt: skip
+        out += _keys(a, ("rope.scaling.type", "yarn"), ("rope.scaling.factor", y.factor),
+                     ("rope.scaling.original_context_length", y.original_context_length),
+                     ("rope.scaling.yarn_log_multiplier", y.log_multiplier))  # fmt: skip
     return out
 
 

@@ -1735,6 +1735,21 @@ static int read_segs(const int64_t *segs, int64_t nseg, int64_t K, seg_t sg[MAX_
     return 0;
 }
 
+/* Weight rows lo..hi-1 of segment g against M rows of x (ldxs bytes apart: floats, or the q8
+ * form) by a per-row kernel, MT rows of x a pass; output column n of row m to y[m * ldy + n]. */
+static void fn_rows(tile_fn fn, const seg_t *g, int64_t lo, int64_t hi, const uint8_t *xs,
+                    int64_t ldxs, int64_t M, float *y, int64_t ldy) {
+    float out[MT];
+    for (int64_t m = 0; m < M; m += MT) {
+        int mt = (int)(M - m < MT ? M - m : MT);
+        for (int64_t n = lo; n < hi; n++) {
+            if (m == 0 && n + PREFETCH_ROWS < g->n) prefetch(g->w + (n + PREFETCH_ROWS) * g->rb, g->rb);
+            fn(g->w + n * g->rb, g->nb, xs + m * ldxs, ldxs, mt, out);
+            for (int i = 0; i < mt; i++) y[(m + i) * ldy + n] = out[i];
+        }
+    }
+}
+
 /* Weight rows lo..hi-1 of segment g against M rows of q8 x (row stride r32) on the grouped
  * kernels (q8_grouped(isa)); output column n of row m goes to y[m * ldy + n]. */
 static void q8_grouped_rows(int isa, int vex, const seg_t *g, int64_t lo, int64_t hi,
@@ -1874,16 +1889,7 @@ int tidal_gguf_gemm(const float *x, int64_t M, int64_t K, int64_t ldx, const int
                 continue;
             }
 #endif
-            float out[MT];
-            for (int64_t m = 0; m < M; m += MT) {
-                int mt = (int)(M - m < MT ? M - m : MT);
-                for (int64_t n = lo; n < hi; n++) {
-                    if (m == 0 && n + PREFETCH_ROWS < g->n)
-                        prefetch(g->w + (n + PREFETCH_ROWS) * g->rb, g->rb);
-                    fn[s](g->w + n * g->rb, g->nb, xs + m * ldxs, ldxs, mt, out);
-                    for (int i = 0; i < mt; i++) y[(m + i) * ldy + g->col0 + n] = out[i];
-                }
-            }
+            fn_rows(fn[s], g, lo, hi, xs, ldxs, M, y + g->col0, ldy);
         }
 #ifdef HAVE_AMX
         if (scratch) {
@@ -1976,15 +1982,7 @@ int tidal_gguf_gemm_jobs(const float *x, int64_t T, int64_t K, int64_t ldx, cons
                 q8_grouped_rows((int)isa, vex, g, lo, hi, xs, r32, M, yj, ldy);
                 continue;
             }
-            float out[MT];
-            tile_fn fn = SCALAR[ACT_Q8][g->type];
-            for (int64_t m = 0; m < M; m += MT) {
-                int mt = (int)(M - m < MT ? M - m : MT);
-                for (int64_t n = lo; n < hi; n++) {
-                    fn(g->w + n * g->rb, g->nb, xs + m * r32, r32, mt, out);
-                    for (int i = 0; i < mt; i++) yj[(m + i) * ldy + n] = out[i];
-                }
-            }
+            fn_rows(SCALAR[ACT_Q8][g->type], g, lo, hi, xs, r32, M, yj, ldy);
         }
     }
     free(sg), free(r0), free(xq), free(unit);

@@ -367,15 +367,11 @@ def gguf_gemm_jobs(
     width = 0
     for job, n in zip(jobs, counts, strict=True):
         if job is None:
-            words += [0, int(n), *[0] * (3 * MAX_SEGMENTS)]
+            words += [0, int(n), *[0] * (JOB_WORDS - 2)]
             continue
-        if job.cols != k:
-            raise ValueError(f"x has K={k} columns but a job's weights have cols={job.cols}")
-        for w in job.weights:
-            if w.blocks.data_ptr() != w._args[0]:
-                raise ValueError(_MOVED)
-        args = [a for w in job.weights for a in w._args]
-        words += [job.nseg, int(n), *args, *[0] * (3 * (MAX_SEGMENTS - job.nseg))]
+        _segments_arg(job, k)  # checked as gguf_gemm checks its weights
+        args = list(job._desc)  # the (pointer, type, rows) triples
+        words += [job.nseg, int(n), *args, *[0] * (JOB_WORDS - 2 - len(args))]
         width = max(width, job.rows)
     if out is None:
         out = torch.empty((total, width), dtype=torch.float32)

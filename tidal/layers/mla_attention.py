@@ -84,19 +84,9 @@ class MLAttention(nn.Module):
         """The loader's attn_k_b ("w_uk_blocks", (H * rank, nope)) or attn_v_b ("w_uv_blocks",
         (H * v, rank)) blocks, cut per head."""
         rows = weight.rows // self.num_heads
-        heads = [
-            BlockSegments(
-                (
-                    BlockWeight(
-                        weight.blocks[h * rows : (h + 1) * rows],
-                        weight.ggml_type,
-                        rows,
-                        weight.cols,
-                    ),
-                )
-            )  # fmt: skip
-            for h in range(self.num_heads)
-        ]
+        per_head = weight.blocks.view(self.num_heads, rows, -1)
+        heads = [BlockSegments((BlockWeight(b, weight.ggml_type, rows, weight.cols),))
+                 for b in per_head]  # fmt: skip
         if kind == "w_uk_blocks" and (rows, weight.cols) == (self.rank, self.nope):
             self.uk_jobs = heads
         elif kind == "w_uv_blocks" and (rows, weight.cols) == (self.v_dim, self.rank):
